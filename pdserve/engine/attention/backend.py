@@ -1,0 +1,45 @@
+"""Attention backend interface and its lazy registry.
+
+A backend writes the new tokens' K/V into the paged cache and computes attention over each
+request's whole context. The cache of one layer is `[num_blocks, 2, num_kv_heads, block_size,
+head_dim]` (index 0 = K, 1 = V): head-major inside a block, so one head's slice of a block is
+contiguous (what tensor-parallel re-sharding during transfer wants).
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+
+import torch
+
+from pdserve.engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+        """Store k, v ([T, KVH, D]) at meta.slot_mapping. Mutates `cache`."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, sliding_window: int | None) -> torch.Tensor:
+        """Causal attention of q ([T, H, D]) over the cached context; returns [T, H, D]."""
+
+
+_BACKENDS = {
+    "torch": "pdserve.engine.attention.torch_ref:TorchAttention",
+    "triton": "pdserve.engine.attention.triton_backend:TritonAttention",
+}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if torch.cuda.is_available() else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"attention backend must be one of {sorted(_BACKENDS)}, got {name!r}")
+    module, cls = _BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,65 @@
+"""Engine configuration: one frozen dataclass, a docstring per field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    """Directory of a Hugging Face checkpoint (config.json + safetensors + tokenizer)."""
+    dtype: str = "auto"
+    """Weights/activations dtype: auto (the checkpoint's), float32, bfloat16, float16."""
+    device: str = "auto"
+    """cpu, cuda, cuda:N, or auto (cuda when available)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_gpu_blocks: int | None = None
+    """KV blocks to allocate; None sizes the cache from `kv_cache_memory_gb` (or free memory)."""
+    kv_cache_memory_gb: float | None = None
+    """KV cache budget when num_gpu_blocks is None (default 1 GiB on CPU, 80% of free on GPU)."""
+    max_num_batched_tokens: int = 1024
+    """Token budget per step; also the chunk size of chunked prefill."""
+    max_num_seqs: int = 128
+    """Most requests in the running batch."""
+    max_model_len: int | None = None
+    """Longest sequence; default min(max_position_embeddings, 32768)."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prefixes across requests."""
+    attention_backend: str = "auto"
+    """torch (reference), triton, or auto (triton on CUDA)."""
+    tensor_parallel_size: int = 1
+    """Ranks that shard each layer (see pdserve.engine.tp for the multi-process driver)."""
+    seed: int = 0
+    """Seed of the engine's own RNG, which draws per-request seeds for unseeded requests."""
+    quantization: str | None = None
+    """None or "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations)."""
+    kv_cache_dtype: str = "auto"
+    """auto (same as the model) or fp8 (E4M3 with per-block scales)."""
+    speculative_config: dict[str, Any] | None = field(default=None, hash=False)
+    """vLLM-style: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
+    or {"model": DRAFT_DIR, "num_speculative_tokens": k}."""
+    model_id: str = ""
+    """Name under which the model is served and hashed (default: the directory name)."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs",
+                  "tensor_parallel_size")
+        if self.num_gpu_blocks is not None and self.num_gpu_blocks <= 0:
+            raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.kv_cache_dtype not in ("auto", "fp8"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
+                             f"{self.kv_cache_dtype!r}")
+
+
+def _positive(cfg: EngineConfig, *names: str) -> None:
+    for name in names:
+        value = getattr(cfg, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")

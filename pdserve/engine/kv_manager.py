@@ -1,0 +1,103 @@
+"""Request-level view of the block pool: prefix hits, slot allocation, publishing, release.
+
+The scheduler talks to this class only; it never sees block reference counts. Every method that
+changes state says so in its docstring.
+"""
+
+from __future__ import annotations
+
+from kv_store.block_pool import BlockPool
+from pdserve.block_hash import ROOT_HASH, block_hash
+from pdserve.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(self, pool: BlockPool, hash_extra: bytes) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.hash_extra = hash_extra
+
+    def update_hashes(self, req: Request) -> None:
+        """Extend `req.block_hashes` over every full block of its known tokens (mutates req)."""
+        bs = self.block_size
+        n_full = req.num_tokens // bs
+        while len(req.block_hashes) < n_full:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else ROOT_HASH
+            req.block_hashes.append(
+                block_hash(parent, req.token_slice(i * bs, (i + 1) * bs), self.hash_extra))
+
+    def match_prefix(self, req: Request) -> list[int]:
+        """Leading cached blocks for `req` (not taken). At least one token is left to compute,
+        because the model must run on the last token to produce logits."""
+        if not self.pool.enable_caching:
+            return []
+        self.update_hashes(req)
+        limit = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        hits: list[int] = []
+        for i, h in enumerate(req.block_hashes[:limit]):
+            block = self.pool.lookup(h, req.token_slice(i * bs, (i + 1) * bs))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def admit(self, req: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
+        """Take the prefix hit and allocate room for `num_new_tokens` more (mutates req and the
+        pool on success; changes nothing on failure)."""
+        bs = self.block_size
+        computed = len(cached_blocks) * bs
+        need = cdiv(computed + num_new_tokens, bs) - len(cached_blocks)
+        # Cached-free blocks we are about to take must not be counted as allocatable.
+        taken_from_free = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
+        if need > self.pool.num_free - taken_from_free:
+            return False
+        for b in cached_blocks:
+            self.pool.take(b)
+        new = self.pool.allocate(need)
+        assert new is not None
+        req.block_ids = cached_blocks + new
+        req.num_computed_tokens = computed
+        return True
+
+    def grow(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for `num_new_tokens` beyond `req.num_computed_tokens` (mutates on success)."""
+        need = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        new = self.pool.allocate(need)
+        if new is None:
+            return False
+        req.block_ids.extend(new)
+        return True
+
+    def publish(self, req: Request) -> None:
+        """Register every full, computed block of `req` under its hash (mutates the pool)."""
+        if not self.pool.enable_caching:
+            return
+        self.update_hashes(req)
+        bs = self.block_size
+        n = min(req.num_computed_tokens // bs, len(req.block_hashes), len(req.block_ids))
+        for i in range(req.num_published_blocks, n):
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i],
+                                  req.token_slice(i * bs, (i + 1) * bs))
+        req.num_published_blocks = max(req.num_published_blocks, n)
+
+    def release(self, req: Request) -> None:
+        """Drop every block of `req`, deepest first so shared roots are evicted last."""
+        self.pool.free(list(reversed(req.block_ids)))
+        req.block_ids = []
+        req.num_published_blocks = 0
+
+    def trim(self, req: Request, num_tokens: int) -> None:
+        """Drop blocks beyond what `num_tokens` tokens need (speculative rollback)."""
+        keep = cdiv(num_tokens, self.block_size)
+        if keep < len(req.block_ids):
+            extra = req.block_ids[keep:]
+            del req.block_ids[keep:]
+            self.pool.free(list(reversed(extra)))

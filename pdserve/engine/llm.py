@@ -1,0 +1,118 @@
+"""`LLM`: the single-process engine for offline use and as the parity reference.
+
+    llm = LLM(model_dir)
+    outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.text_stream import TextStream
+from pdserve.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs] | None
+    num_cached_tokens: int
+
+
+@dataclass
+class _Pending:
+    index: int
+    prompt_ids: list[int]
+    stream: TextStream
+    tokens: list[int]
+    logprobs: list[TokenLogprobs | None]
+    cached: int = 0
+
+
+class LLM:
+    def __init__(self, model_path: str, **options: Any) -> None:
+        self.config = EngineConfig(model=str(model_path), **options)
+        self.tokenizer = Tokenizer.from_pretrained(model_path)
+        self.engine = LLMEngine(self.config)
+        self._counter = 0
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        prompts = _as_prompt_list(prompts)
+        params_list = _broadcast(params, len(prompts))
+        pending: dict[str, _Pending] = {}
+        results: list[CompletionOutput | None] = [None] * len(prompts)
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+                ids = self._tokenize(prompt)
+                rid = f"llm-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(rid, ids, p)
+                stream = TextStream(self.tokenizer, ids, p.stop, p.include_stop_str_in_output)
+                pending[rid] = _Pending(i, ids, stream, [], [])
+            while pending:
+                for out in self.engine.step():
+                    self._absorb(out, pending, results)
+        finally:
+            for rid in pending:
+                self.engine.abort(rid)
+        return [r for r in results if r is not None]
+
+    def _absorb(self, out, pending: dict[str, _Pending], results: list) -> None:
+        st = pending.get(out.request_id)
+        if st is None:
+            return
+        st.tokens.extend(out.new_token_ids)
+        st.logprobs.extend(out.new_logprobs)
+        st.cached = out.num_cached_tokens
+        delta = st.stream.add(out.new_token_ids, final=out.finished)
+        reason = out.finish_reason
+        if delta.stopped and not out.finished:
+            self.engine.finish_stopped(out.request_id)
+            reason = "stop"
+        if reason is None:
+            return
+        del pending[out.request_id]
+        lps = st.logprobs if any(lp is not None for lp in st.logprobs) else None
+        results[st.index] = CompletionOutput(
+            out.request_id, st.prompt_ids, st.tokens, st.stream.text, reason, lps, st.cached)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]  # a single prompt given as token ids
+    return prompts
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"params has {len(params)} entries for {n} prompts")
+    return params

@@ -1,0 +1,161 @@
+"""The model's architecture, read from a Hugging Face `config.json`.
+
+One frozen dataclass owns every architectural number the runtime needs, so layers never read
+raw dicts. Both config spellings are accepted: transformers<5 (`rope_theta` + `rope_scaling`) and
+transformers>=5 (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# architecture name -> family; the family decides the few structural differences.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if value not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {value!r}")
+    return _DTYPES[value]
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    `rope_type` is "default", "linear" or "llama3"; `params` holds the type's own fields
+    (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
+    """
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    params: tuple[tuple[str, float], ...] = ()
+
+    def get(self, key: str, default: float | None = None) -> float | None:
+        return dict(self.params).get(key, default)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a decoder-only transformer (Llama family)."""
+
+    family: str  # "llama" | "mistral" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2 always; Llama when attention_bias
+    o_bias: bool = False  # Llama attention_bias also biases o_proj
+    mlp_bias: bool = False
+    sliding_window: int | None = None  # keys older than this many positions are masked
+    torch_dtype: str = "float32"  # the checkpoint's dtype
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES),
+                      None)
+        if family is None:
+            family = cfg.get("model_type")
+        if family not in SUPPORTED_ARCHITECTURES.values():
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return cls(
+            family=family,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope=_rope_from_dict(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            sliding_window=_sliding_window(family, cfg),
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model_path has no config.json: {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params.update(scaling)
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if rope_type not in ("default", "linear", "llama3"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported")
+    numeric = tuple(sorted((k, float(v)) for k, v in params.items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)))
+    return RopeConfig(theta=theta, rope_type=rope_type, params=numeric)
+
+
+def _sliding_window(family: str, cfg: dict[str, Any]) -> int | None:
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    if family == "qwen2":
+        # Qwen2 applies the window only when asked, and only to some layers; we support the
+        # common case (no sliding layers) and refuse the rest rather than be silently wrong.
+        layer_types = cfg.get("layer_types") or []
+        if not cfg.get("use_sliding_window", False) or "sliding_attention" not in layer_types:
+            return None
+        raise ValueError("Qwen2 sliding-window layers are not supported")
+    return int(window)

@@ -1,0 +1,82 @@
+"""Executes a `StepPlan` on the model: builds the flat batch, runs the forward, samples.
+
+The runner owns the model, the paged KV caches and the sampler; it knows nothing about queues.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.models.llama import LayerHook
+from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
+from pdserve.engine.scheduler import ScheduledChunk
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_index: torch.Tensor  # rows of the hidden states whose logits are needed
+
+
+def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
+                 device: torch.device) -> BatchInputs:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    for c in chunks:
+        n = len(c.token_ids)
+        ids.extend(c.token_ids)
+        pos = range(c.start, c.start + n)
+        positions.extend(pos)
+        slots.extend(c.block_ids[p // block_size] * block_size + p % block_size for p in pos)
+        end = query_start[-1] + n
+        sample_rows.extend(range(end - c.num_samples, end))
+        query_start.append(end)
+        seq_lens.append(c.start + n)
+    max_blocks = max(len(c.block_ids) for c in chunks)
+    tables = [c.block_ids + [0] * (max_blocks - len(c.block_ids)) for c in chunks]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    meta = AttentionMetadata(
+        query_start=query_start, seq_lens=seq_lens, block_tables=t(tables),
+        slot_mapping=t(slots), seq_lens_t=t(seq_lens), query_start_t=t(query_start),
+        max_query_len=max(len(c.token_ids) for c in chunks), max_seq_len=max(seq_lens))
+    return BatchInputs(t(ids), t(positions), meta, t(sample_rows))
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor],
+                 backend: AttentionBackend, block_size: int, device: torch.device) -> None:
+        self.model = model
+        self.caches = caches
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def logits(self, chunks: Sequence[ScheduledChunk],
+               layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """Run the forward for a plan; fp32 logits of every sampled position, in plan order."""
+        batch = build_inputs(chunks, self.block_size, self.device)
+        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
+                            self.backend, layer_hook)
+        if batch.sample_index.numel() == 0:
+            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[batch.sample_index]).float()
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        return self.sampler(logits, rows)

@@ -1,0 +1,24 @@
+"""What the engine hands back after each step (typed, per request)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.sampler import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """New tokens of one request from one step; `finish_reason` is set on its last output."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_output_tokens: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

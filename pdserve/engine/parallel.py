@@ -1,0 +1,43 @@
+"""The tensor-parallel group a model shard belongs to.
+
+Passed explicitly to every TP-aware layer (no process-global state). With `size == 1` every
+collective is the identity, so the single-process engine is just the degenerate case.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    rank: int = 0
+    size: int = 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tp rank {self.rank} outside group of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError("a tensor-parallel context of size > 1 needs a process group")
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size == 1:
+            return x
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate each rank's shard along the last dimension, in rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+SINGLE = ParallelContext()

@@ -1,0 +1,80 @@
+"""A request inside the engine, and its lifecycle.
+
+    WAITING ──admit──► RUNNING ──stop/length──► FINISHED_STOPPED | FINISHED_LENGTH
+       ▲                  │  └──abort──────────► FINISHED_ABORTED
+       └──preempt (recompute)┘
+    WAITING_FOR_KV ──all KV arrived──► RUNNING        (decode side of a disaggregated request)
+
+`num_computed_tokens` counts tokens whose KV is in the cache; everything the scheduler and the
+runner need is derived from it and the token lists. `block_ids` is append-only while the request
+holds its blocks (a preemption releases them all at once).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+             RequestStatus.FINISHED_ABORTED}
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    num_published_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
+    num_preemptions: int = 0
+    # Speculative tokens proposed for the next step (verified, then dropped or kept).
+    spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids [start, end) over prompt + output, without building the full list."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished

@@ -1,0 +1,218 @@
+"""Continuous-batching scheduler: pure Python, no tensors.
+
+Each step `schedule()` returns a `StepPlan`: which requests run, how many tokens of each (a
+prefill chunk, one decode token, or a decode token plus speculative tokens), under a per-step
+token budget. The runner executes the plan; `update()` takes the sampled tokens back.
+
+Policy, in order:
+1. Running requests first, FCFS; each gets what it still needs (capped by the budget and the
+   long-prefill chunk size). When blocks run out, the most recently admitted running request is
+   preempted: its blocks are released and it goes back to the head of the waiting queue, to be
+   recomputed (its cached full blocks usually make that cheap).
+2. Then waiting requests, strictly FCFS (no overtaking), while budget, sequence slots and
+   blocks last. A prefix-cache hit is taken at admission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 1024
+    """Token budget of one step (prefill chunk tokens + decode tokens)."""
+    max_num_seqs: int = 128
+    """Most requests running at once."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + output) a request may reach."""
+    long_prefill_chunk: int = 0
+    """Cap on one request's prefill chunk per step (0 = the whole budget)."""
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's share of a step.
+
+    The runner computes tokens [start, start + len(token_ids)) of the request (KV written into
+    `block_ids`), and samples `num_samples` tokens if that count is > 0: one after the chunk for
+    a normal step, or 1 + len(spec_token_ids) when the tail of the chunk is speculative.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start: int
+    block_ids: list[int]
+    num_samples: int
+    spec_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]
+    preempted: list[str]
+    num_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    # -- queue management ----------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        if req.status is RequestStatus.WAITING:
+            self.waiting.append(req)
+
+    def activate(self, req: Request) -> None:
+        """Move a WAITING_FOR_KV request (blocks held, KV arrived) into the running set."""
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request for any reason and release its blocks. Idempotent."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = status
+        self.kv.release(req)
+        return req
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_queued_prefill_tokens(self) -> int:
+        return sum(r.num_tokens - r.num_computed_tokens for r in self.waiting)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        preempted: list[str] = []
+        scheduled: set[str] = set()
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req.request_id in preempted:
+                continue
+            n = self._num_new_tokens(req, budget)
+            while not self.kv.grow(req, n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is req:
+                    break
+            if req.request_id in preempted:
+                continue
+            chunks.append(self._chunk(req, n))
+            scheduled.add(req.request_id)
+            budget -= n
+        if not preempted:
+            budget = self._admit_waiting(budget, chunks)
+        total = self.config.max_num_batched_tokens - budget
+        return StepPlan(chunks=chunks, preempted=preempted, num_tokens=total)
+
+    def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.match_prefix(req)
+            remaining = req.num_tokens - len(hits) * self.kv.block_size
+            n = self._cap(remaining, budget)
+            if not self.kv.admit(req, hits, n):
+                break
+            self.waiting.popleft()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = req.num_computed_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            chunks.append(self._chunk(req, n))
+            budget -= n
+        return budget
+
+    def _num_new_tokens(self, req: Request, budget: int) -> int:
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining == 1 and req.spec_token_ids:
+            # A decode step that also verifies speculative tokens; they are all-or-nothing.
+            want = 1 + len(req.spec_token_ids)
+            if want <= budget:
+                return want
+            req.spec_token_ids = []
+        return self._cap(remaining, budget)
+
+    def _cap(self, remaining: int, budget: int) -> int:
+        n = min(remaining, budget)
+        if self.config.long_prefill_chunk > 0:
+            n = min(n, self.config.long_prefill_chunk)
+        return n
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        known = req.num_tokens - start
+        spec = req.spec_token_ids if n > known else []
+        tokens = req.token_slice(start, start + min(n, known)) + spec
+        done = start + n >= req.num_tokens
+        return ScheduledChunk(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start=start,
+            block_ids=list(req.block_ids),
+            num_samples=(1 + len(spec)) if done else 0,
+            spec_token_ids=list(spec),
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_computed_tokens = 0
+        req.spec_token_ids = []
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    # -- results -------------------------------------------------------------------------
+    def update(
+        self, plan: StepPlan, sampled: dict[str, Sequence[int]]
+    ) -> list[Request]:
+        """Advance each scheduled request; append its accepted tokens. Returns requests that
+        received tokens. `sampled[rid]` is the accepted tokens (1 + accepted spec tokens)."""
+        touched: list[Request] = []
+        for chunk in plan.chunks:
+            req = self.requests.get(chunk.request_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                continue
+            computed = len(chunk.token_ids) - len(chunk.spec_token_ids)
+            tokens = sampled.get(req.request_id, ())
+            # Accepted speculative tokens had their KV computed in this step as well.
+            req.num_computed_tokens = chunk.start + computed + max(0, len(tokens) - 1)
+            req.spec_token_ids = []
+            if tokens:
+                req.output_token_ids.extend(tokens)
+                touched.append(req)
+            self.kv.publish(req)
+            if chunk.spec_token_ids:
+                self.kv.trim(req, req.num_computed_tokens + 1)
+        return touched
+
+    def iter_running(self) -> Iterable[Request]:
+        return iter(self.running)

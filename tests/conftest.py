@@ -1,0 +1,42 @@
+"""Shared fixtures: tiny checkpoints built once per session, thread limits for 2-core CI."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+# Two cores are shared by the test process and any workers it starts.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("llama"), "llama", attention_bias=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    return save_tiny(tmp_path_factory.mktemp("llama3"), "llama", seed=3, rope_scaling=scaling,
+                     num_key_value_heads=1, head_dim=32, max_shard_size="100KB")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("qwen2"), "qwen2", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("mistral"), "mistral", seed=2)

@@ -1,0 +1,74 @@
+"""Tiny random Hugging Face checkpoints saved with `transformers` (the parity reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pdserve.demo_model import write_tokenizer_files
+
+VOCAB = 512
+
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+               bos_token_id=1, eos_token_id=2)
+
+
+def _config(family: str, **overrides):
+    import transformers
+
+    kwargs = dict(_COMMON, **overrides)
+    if family == "llama":
+        return transformers.LlamaConfig(**kwargs)
+    if family == "qwen2":
+        kwargs.setdefault("tie_word_embeddings", True)
+        return transformers.Qwen2Config(**kwargs)
+    if family == "mistral":
+        kwargs.setdefault("sliding_window", 48)
+        return transformers.MistralConfig(**kwargs)
+    raise ValueError(family)
+
+
+def save_tiny(out_dir: Path, family: str, seed: int = 0, dtype=torch.float32,
+              max_shard_size: str | None = None, **overrides) -> Path:
+    """Build a random model of `family`, save it (optionally sharded) with a tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = _config(family, **overrides)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype)
+    with torch.no_grad():  # random biases so the bias path is actually exercised
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, **kw)
+    write_tokenizer_files(out_dir, vocab_size=VOCAB)
+    return out_dir
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt with HF transformers, one prompt at a time."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                                 eos_token_id=None, pad_token_id=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def hf_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        return model(torch.tensor([prompt])).logits[0].float()
