@@ -1,8 +1,13 @@
 """Pure-torch paged attention: the reference every other backend is tested against.
 
-Decode-only batches are gathered into one padded tensor and run as a single SDPA call; batches
-with multi-token queries run one SDPA call per request with an explicit causal mask (offset by
-the cached context, narrowed by the sliding window).
+Requests with a single query token (decode) are gathered into one padded batch and run as one
+SDPA call; requests with several query tokens (prefill chunks, speculative verification) run
+one SDPA call each, with a causal mask offset by their cached context.
+
+Gathers index a head-major view of the cache (`[2, KVH, num_blocks, bs, D]`), so the gathered
+blocks of a request are already contiguous per head: the only copy is the gather itself. GQA
+is handled by folding each KV head's query group into the query-length dimension instead of
+repeating K and V.
 """
 
 from __future__ import annotations
@@ -13,12 +18,17 @@ import torch.nn.functional as F
 from pdserve.engine.attention.backend import AttentionBackend
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """[nb, 2, KVH, bs, D] -> view [2, KVH, nb, bs, D]."""
+    return cache.permute(1, 2, 0, 3, 4)
+
+
 def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of one request as [KVH, length, D] from its block ids."""
-    kv = cache[blocks]  # [nb, 2, KVH, bs, D]
-    nb, _, kvh, bs, d = kv.shape
-    kv = kv.permute(1, 2, 0, 3, 4).reshape(2, kvh, nb * bs, d)[:, :, :length]
+    kv = head_major(cache)[:, :, blocks]  # [2, KVH, nb, bs, D], contiguous
+    two, kvh, nb, bs, d = kv.shape
+    kv = kv.reshape(two, kvh, nb * bs, d)[:, :, :length]
     return kv[0], kv[1]
 
 
@@ -43,35 +53,55 @@ class TorchAttention(AttentionBackend):
         cache[blocks, 1, :, offsets] = v.to(cache.dtype)
 
     def attend(self, q, cache, meta, scale, sliding_window):
-        if meta.is_decode_only:
-            return self._decode(q, cache, meta, scale, sliding_window)
-        out = torch.empty_like(q)
-        for i, ctx in enumerate(meta.seq_lens):
-            s, e = meta.query_start[i], meta.query_start[i + 1]
-            nb = -(-ctx // cache.shape[3])
-            k, v = gather_context(cache, meta.block_tables[i, :nb], ctx)
-            qi = q[s:e].transpose(0, 1)  # [H, q, D]
-            mask = None
-            if e - s != ctx or sliding_window is not None:
-                mask = causal_mask(e - s, ctx, sliding_window, q.device)
-            o = F.scaled_dot_product_attention(
-                qi, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                is_causal=mask is None, scale=scale, enable_gqa=True)
-            out[s:e] = o.transpose(0, 1)
+        qs = meta.query_start
+        singles = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
+        out = q if len(singles) == meta.num_seqs else torch.empty_like(q)
+        if singles:
+            rows = torch.tensor([qs[i] for i in singles], device=q.device)
+            part = self._decode(q[rows], cache, meta, singles, scale, sliding_window)
+            if out is q:
+                return part
+            out[rows] = part
+        for i in range(meta.num_seqs):
+            s, e = qs[i], qs[i + 1]
+            if e - s > 1:
+                out[s:e] = self._prefill(q[s:e], cache, meta.block_tables[i],
+                                         meta.seq_lens[i], scale, sliding_window)
         return out
 
-    def _decode(self, q, cache, meta, scale, window):
+    def _prefill(self, q, cache, table, ctx, scale, window):
+        q_len, h, d = q.shape
+        nb = -(-ctx // cache.shape[3])
+        k, v = gather_context(cache, table[:nb], ctx)
+        kvh = k.shape[0]
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        if q_len == ctx and window is None:  # a fresh prompt: the fast causal kernel
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+                                               scale=scale, enable_gqa=True)
+            return o.transpose(0, 1)
+        g = h // kvh
+        qg = q.view(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * q_len, d)
+        mask = causal_mask(q_len, ctx, window, q.device).repeat(g, 1)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+        return o.view(kvh, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+
+    def _decode(self, q, cache, meta, seqs, scale, window):
+        """q: [B, H, D], one query per request in `seqs`."""
         bs = cache.shape[3]
-        nb = -(-meta.max_seq_len // bs)
-        kv = cache[meta.block_tables[:, :nb]]  # [B, nb, 2, KVH, bs, D]
-        b, _, _, kvh, _, d = kv.shape
-        kv = kv.permute(2, 0, 3, 1, 4, 5).reshape(2, b, kvh, nb * bs, d).to(q.dtype)
+        lens = meta.seq_lens_t[seqs] if len(seqs) != meta.num_seqs else meta.seq_lens_t
+        tables = meta.block_tables[seqs] if len(seqs) != meta.num_seqs else meta.block_tables
+        nb = -(-max(meta.seq_lens[i] for i in seqs) // bs)
+        kv = head_major(cache)[:, :, tables[:, :nb]]  # [2, KVH, B, nb, bs, D]
+        two, kvh, b, _, _, d = kv.shape
+        kv = kv.reshape(two, kvh, b, nb * bs, d).to(q.dtype)
+        g = q.shape[1] // kvh
+        # KV heads play SDPA's batch role and requests its head role: no copy of K or V.
+        qg = q.view(b, kvh, g, d).transpose(0, 1)  # [KVH, B, G, D]
         pos = torch.arange(nb * bs, device=q.device).unsqueeze(0)
-        last = (meta.seq_lens_t - 1).unsqueeze(1)
+        last = (lens - 1).unsqueeze(1)
         mask = pos <= last
         if window is not None:
             mask &= pos > last - window
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=mask[:, None, None, :],
-            scale=scale, enable_gqa=True)  # q: [B, H, 1, D]
-        return o.squeeze(2)
+        o = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask[None, :, None, :],
+                                           scale=scale)  # [KVH, B, G, D]
+        return o.transpose(0, 1).reshape(b, kvh * g, d)
