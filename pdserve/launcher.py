@@ -1,0 +1,141 @@
+"""Starting a local cluster as real processes: decode workers, prefill workers, then the router.
+
+Each child announces `PDSERVE_READY {json}` on stdout once bound; the launcher waits for that
+line (never guesses ports), and stops every child on exit: SIGTERM, then SIGKILL after a grace.
+Used by `pdserve up` and by the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pdserve.serving.worker_base import READY_PREFIX
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    model: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    num_prefill: int = 1
+    num_decode: int = 1
+    threads_per_worker: int = 0
+    """0 = split this machine's cores evenly between workers."""
+    worker_args: tuple[str, ...] = ()
+    """Extra flags for every worker (engine options)."""
+    router_args: tuple[str, ...] = ()
+    log_dir: str | None = None
+    """Where children's stderr goes (default: inherit)."""
+    env: dict[str, str] = field(default_factory=dict, hash=False)
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    info: dict = field(default_factory=dict)
+
+
+class LocalCluster:
+    def __init__(self, spec: ClusterSpec) -> None:
+        self.spec = spec
+        self.children: list[Child] = []
+        self.router: Child | None = None
+
+    @property
+    def address(self) -> str:
+        assert self.router is not None
+        return self.router.info["address"]
+
+    def workers(self, role: str) -> list[Child]:
+        return [c for c in self.children if c.info.get("role") == role]
+
+    def start(self, timeout_s: float = 180.0) -> LocalCluster:
+        try:
+            self._start(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self, timeout_s: float) -> None:
+        s = self.spec
+        threads = s.threads_per_worker or max(
+            1, (os.cpu_count() or 1) // max(1, s.num_prefill + s.num_decode))
+        common = ["--model", s.model, "--host", s.host, "--threads", str(threads),
+                  *s.worker_args]
+        pending = [self._spawn(f"decode-{i}", "decode_worker",
+                               [*common, "--worker-id", f"decode-{i}"])
+                   for i in range(s.num_decode)]
+        pending += [self._spawn(f"prefill-{i}", "prefill_worker",
+                                [*common, "--worker-id", f"prefill-{i}"])
+                    for i in range(s.num_prefill)]
+        self.children.extend(pending)
+        for child in pending:
+            self._wait_ready(child, timeout_s)
+        decode = ",".join(c.info["address"] for c in self.workers("decode"))
+        prefill = ",".join(c.info["address"] for c in self.workers("prefill"))
+        self.router = self._spawn("router", "router", [
+            "--model", s.model, "--host", s.host, "--port", str(s.port), "--decode", decode,
+            "--prefill", prefill, *s.router_args])
+        self._wait_ready(self.router, timeout_s)
+
+    def _spawn(self, name: str, module: str, args: list[str]) -> Child:
+        stderr = None
+        if self.spec.log_dir:
+            Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
+            stderr = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=stderr,
+            env={**os.environ, **self.spec.env}, start_new_session=True)
+        return Child(name, proc)
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        found = threading.Event()
+
+        def read() -> None:
+            for raw in child.proc.stdout:  # keeps draining after READY so the pipe never fills
+                line = raw.decode(errors="replace").rstrip()
+                if line.startswith(READY_PREFIX) and not found.is_set():
+                    child.info = json.loads(line[len(READY_PREFIX):])
+                    found.set()
+
+        threading.Thread(target=read, name=f"{child.name}-stdout", daemon=True).start()
+        end = time.monotonic() + timeout_s
+        while not found.wait(0.1):
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{child.name} exited with code {child.proc.returncode} "
+                                   "before it was ready")
+            if time.monotonic() > end:
+                raise TimeoutError(f"{child.name} was not ready after {timeout_s:.0f}s")
+
+    def kill(self, child: Child, sig: int = signal.SIGKILL) -> None:
+        child.proc.send_signal(sig)
+        child.proc.wait(timeout=30)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        everyone = ([self.router] if self.router else []) + self.children
+        for c in everyone:
+            if c.proc.poll() is None:
+                c.proc.send_signal(signal.SIGTERM)
+        end = time.monotonic() + grace_s
+        for c in everyone:
+            try:
+                c.proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
+                c.proc.wait()
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

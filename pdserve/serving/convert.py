@@ -1,0 +1,57 @@
+"""Conversions between protobuf messages and the engine's typed values (one place only)."""
+
+from __future__ import annotations
+
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.proto import pb
+
+_OPTIONAL_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
+                    "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
+                    "logprobs")
+
+FINISH_TO_PB = {
+    None: pb.FINISH_REASON_UNSPECIFIED,
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
+    """Validated `SamplingParams`; unset optional fields take the engine's defaults.
+
+    Raises ValueError naming the offending field."""
+    kwargs: dict = {}
+    for name in _OPTIONAL_FIELDS:
+        if msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    # float32 on the wire: round to the nearest 1e-6 so 0.9 stays 0.9, not 0.899999976.
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"):
+        if name in kwargs:
+            kwargs[name] = round(float(kwargs[name]), 6)
+    return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kwargs)
+
+
+def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
+    msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+                            ignore_eos=p.ignore_eos,
+                            include_stop_str_in_output=p.include_stop_str_in_output)
+    for name in _OPTIONAL_FIELDS:
+        value = getattr(p, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def logprob_to_pb(lp: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+
+
+def logprobs_to_pb(lps) -> list[pb.TokenLogprob]:
+    return [logprob_to_pb(lp) for lp in lps if lp is not None]

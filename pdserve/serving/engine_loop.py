@@ -1,0 +1,141 @@
+"""Runs an `LLMEngine` on its own thread and connects it to an asyncio server.
+
+The engine is single-threaded by design. gRPC handlers never touch it directly: they `call()`
+a function that runs on the engine thread between two steps, and read their request's outputs
+from an asyncio queue that the engine thread feeds through `call_soon_threadsafe`.
+
+    handler ──call(fn)──► command queue ──(between steps)──► fn(engine) ──► future result
+    engine thread: loop { run commands; if work: step(); push outputs to per-request queues }
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import StepOutput
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+StepFn = Callable[[LLMEngine], list[StepOutput]]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
+                 step_fn: StepFn | None = None, name: str = "engine") -> None:
+        self.engine = engine
+        self._loop = loop
+        self._step_fn = step_fn or (lambda e: e.step())
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._streams: dict[str, asyncio.Queue[StepOutput]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.steps = 0
+        self.failure: BaseException | None = None
+
+    def set_step_fn(self, step_fn: StepFn) -> None:
+        """Replace the step (e.g. the prefill worker's step with KV streaming); before start."""
+        self._step_fn = step_fn
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.failure is None
+
+    # -- called from the asyncio side ----------------------------------------------------
+    def call(self, fn: Callable[[LLMEngine], T]) -> asyncio.Future[T]:
+        """Run `fn(engine)` on the engine thread; the future resolves with its result."""
+        fut: asyncio.Future[T] = self._loop.create_future()
+
+        def run() -> None:
+            try:
+                result: Any = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                self._loop.call_soon_threadsafe(_set_exception, fut, exc)
+            else:
+                self._loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return fut
+
+    def post(self, fn: Callable[[LLMEngine], None]) -> None:
+        """Fire-and-forget variant of `call`, usable from any thread."""
+        self._commands.put(lambda: fn(self.engine))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[StepOutput]:
+        q: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._streams[request_id] = q
+        return q
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    # -- engine thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished())
+                if self._stop.is_set() or not self.engine.has_unfinished():
+                    continue
+                outputs = self._step_fn(self.engine)
+                self.steps += 1
+                if outputs:
+                    self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except BaseException as exc:  # noqa: BLE001 - reported through health checks
+            log.exception("engine loop died")
+            self.failure = exc
+            self._loop.call_soon_threadsafe(self._fail_all)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            cmd()
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _fail_all(self) -> None:
+        for rid in list(self._streams):
+            self.push_finished(rid, "abort")
+
+    def push_finished(self, request_id: str, reason: str) -> None:
+        """Tell a request's stream it ended outside a step (asyncio thread only)."""
+        q = self._streams.get(request_id)
+        if q is not None:
+            q.put_nowait(StepOutput(request_id, [], [], reason, 0, 0, 0))
+
+    def emit(self, outputs: list[StepOutput]) -> None:
+        """Deliver outputs produced outside `step()` (callable from the engine thread)."""
+        self._loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            q = self._streams.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

@@ -1,0 +1,68 @@
+"""Starting a grpc.aio server the same way everywhere: health, reflection, binding, TLS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # a busy port must fail loudly, not be shared
+    # Clients ping every 30 s during long silent calls (a big prefill); accept that.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+@dataclass(frozen=True)
+class TLSConfig:
+    """Server-side TLS; with `client_ca` set, clients must present a certificate (mTLS)."""
+
+    cert_chain: bytes
+    private_key: bytes
+    client_ca: bytes | None = None
+
+
+@dataclass
+class RunningServer:
+    server: grpc.aio.Server
+    port: int
+    health: health.aio.HealthServicer
+
+    async def set_serving(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.health.set("", status)
+
+
+async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
+                       service_names: Sequence[str], tls: TLSConfig | None = None,
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+                       ) -> RunningServer:
+    """Bind exactly `host:port` (0 = a free port), register services, start serving."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+    register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    if tls is None:
+        bound = server.add_insecure_port(address)
+    else:
+        creds = grpc.ssl_server_credentials(
+            [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
+            require_client_auth=tls.client_ca is not None)
+        bound = server.add_secure_port(address, creds)
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {address}")
+    await server.start()
+    running = RunningServer(server, bound, health_servicer)
+    await running.set_serving(True)
+    return running

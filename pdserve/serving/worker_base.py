@@ -1,0 +1,82 @@
+"""The part of the worker gRPC service both roles share: stats, info, abort, start-up.
+
+A worker process announces itself on stdout with one line, `PDSERVE_READY {json}`, once its
+servers are bound: the launcher (`pdserve up`) reads the real ports from it, so every server
+can bind port 0 and no port is ever guessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+import torch
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
+from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.worker_options import WorkerOptions
+
+log = logging.getLogger(__name__)
+READY_PREFIX = "PDSERVE_READY "
+
+
+class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
+    def __init__(self, options: WorkerOptions, loop: EngineLoop) -> None:
+        self.options = options
+        self.loop = loop
+        self.endpoints: list[worker_pb.KVEndpoint] = []
+        self.counters: dict[str, float] = {}
+
+    def count(self, name: str, value: float = 1.0) -> None:
+        self.counters[name] = self.counters.get(name, 0.0) + value
+
+    async def GetStats(self, request, context):
+        if not self.loop.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
+        stats = await self.loop.call(LLMEngine.stats)
+        return worker_pb.WorkerStats(
+            worker_id=self.options.worker_id, role=self.options.role,
+            num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+            queued_prefill_tokens=int(stats["queued_prefill_tokens"]),
+            kv_blocks_total=int(stats["kv_blocks_total"]),
+            kv_blocks_used=int(stats["kv_blocks_used"]),
+            kv_blocks_cached=int(stats["kv_blocks_cached"]),
+            counters={**self.counters, "engine_steps": float(self.loop.steps)})
+
+    async def GetInfo(self, request, context):
+        e = self.loop.engine
+        return worker_pb.WorkerInfo(
+            worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
+            block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
+            max_model_len=e.max_model_len, endpoints=self.endpoints,
+            api_version=WORKER_API_VERSION)
+
+    async def Prefetch(self, request, context):
+        return worker_pb.PrefetchResponse(blocks_promoted=0)
+
+
+def announce_ready(info: dict) -> None:
+    print(READY_PREFIX + json.dumps(info, sort_keys=True), flush=True)
+
+
+def configure_process(options: WorkerOptions) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"%(asctime)s {options.worker_id} %(levelname)s %(message)s")
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+
+
+async def wait_for_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
+    """Serve until SIGINT/SIGTERM, then run `cleanup` once."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await cleanup()

@@ -1,0 +1,65 @@
+"""Command-line options every worker shares, parsed into one frozen dataclass."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.engine.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    role: str
+    """prefill | decode."""
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    """Address the gRPC server and the KV receiver bind to."""
+    port: int = 0
+    """gRPC port (0 = any free port; the bound port is announced on stdout)."""
+    kv_port: int = 0
+    """Port of the KV transfer rendezvous store (decode workers)."""
+    worker_id: str = ""
+    threads: int = 0
+    """torch intra-op threads (0 = leave torch's default)."""
+    extra: dict[str, Any] = field(default_factory=dict, hash=False)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--kv-port", type=int, default=0)
+    p.add_argument("--worker-id", default="")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
+    p.add_argument("--model-id", default="")
+
+
+def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
+    spec = json.loads(a.speculative_config) if a.speculative_config else None
+    engine = EngineConfig(
+        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
+        attention_backend=a.attention_backend, quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id)
+    worker_id = a.worker_id or f"{role}-{os.getpid()}"
+    return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
+                         kv_port=a.kv_port, worker_id=worker_id, threads=a.threads)

@@ -1,0 +1,52 @@
+"""`python -m prefill_worker --model DIR [--host H] [--port P]`"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from kv_store.transfer import KVSender, TransferConfig
+from pdserve.engine.engine import LLMEngine
+from pdserve.proto import worker_pb, worker_pb_grpc
+from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.grpc_server import start_server
+from pdserve.serving.worker_base import announce_ready, configure_process, wait_for_signal
+from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
+from prefill_worker.kv_streamer import KVStreamer
+from prefill_worker.service import PrefillService
+
+
+async def serve(options: WorkerOptions) -> None:
+    engine = LLMEngine(options.engine)
+    sender = KVSender(TransferConfig())
+    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size)
+    loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
+    service = PrefillService(options, loop, streamer)
+    loop.set_step_fn(service.step)
+    loop.start()
+    server = await start_server(
+        options.host, options.port,
+        lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
+        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name])
+    announce_ready({"role": "prefill", "worker_id": options.worker_id,
+                    "address": f"{options.host}:{server.port}"})
+
+    async def cleanup() -> None:
+        await server.set_serving(False)
+        await server.server.stop(grace=2)
+        loop.stop()
+        sender.close()
+
+    await wait_for_signal(cleanup)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="prefill_worker")
+    add_worker_args(parser)
+    options = options_from_args("prefill", parser.parse_args(argv))
+    configure_process(options)
+    asyncio.run(serve(options))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""The prefill worker's gRPC service.
+
+    Prefill() ─► engine (max_tokens=1, chunked with other prefills) ─► each layer's new KV
+    streamed to the decode worker ─► first token sampled ─► DONE{token} to the decode worker
+                                                           └► PrefillResponse to the router
+
+The response does not wait for the transfer to finish: the router streams the first token to
+the client at once (TTFT), while the decode worker waits for the KV.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import grpc
+
+from pdserve.engine.engine import LLMEngine
+from pdserve.engine.outputs import StepOutput
+from pdserve.proto import worker_pb
+from pdserve.serving.convert import logprob_to_pb, params_from_pb
+from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.worker_base import WorkerServicerBase
+from pdserve.serving.worker_options import WorkerOptions
+from prefill_worker.kv_streamer import KVStreamer
+
+log = logging.getLogger(__name__)
+
+
+class PrefillService(WorkerServicerBase):
+    def __init__(self, options: WorkerOptions, loop: EngineLoop, streamer: KVStreamer) -> None:
+        super().__init__(options, loop)
+        self.streamer = streamer
+        # perf_counter marks per request: arrival, first scheduled, first token (TTFT parts).
+        self._marks: dict[str, list[float]] = {}
+
+    def step(self, engine: LLMEngine) -> list[StepOutput]:
+        """One engine step with per-layer KV streaming (runs on the engine thread)."""
+        plan = engine.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        sends = self.streamer.plan_sends(plan)
+        t0 = time.perf_counter()
+        for chunk in plan.chunks:
+            marks = self._marks.get(chunk.request_id)
+            if marks is not None and len(marks) == 1:
+                marks.append(t0)
+        sampled, logprobs = engine.execute(plan, self.streamer.layer_hook(sends))
+        t1 = time.perf_counter()
+        self.count("step_compute_s", t1 - t0)
+        outputs = engine.apply_results(plan, sampled, logprobs)
+        for out in outputs:
+            if out.finished and out.new_token_ids:
+                self._marks.get(out.request_id, []).append(t1)
+                lp = out.new_logprobs[0]
+                # t_done (wall clock) lets the decode worker measure the exposed transfer.
+                meta = {"token_id": out.new_token_ids[0],
+                        "logprob": None if lp is None else lp.logprob, "t_done": time.time()}
+                self.streamer.finish(out.request_id, meta)
+        return outputs
+
+    async def Prefill(self, request, context):
+        rid = request.request_id
+        try:
+            params = params_from_pb(request.sampling)
+            # Only the first token is sampled here; min_tokens still masks EOS at step 0.
+            first = dataclasses.replace(params, max_tokens=1,
+                                        min_tokens=min(params.min_tokens, 1), stop=())
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        target = request.target
+        if not target.endpoints or len(target.block_ids) * self._block_size() < len(
+                request.prompt_token_ids):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "target must name a KV endpoint and a block per prompt block")
+        ids = list(request.prompt_token_ids)
+        stream = self.loop.open_stream(rid)
+        self._marks[rid] = [time.perf_counter()]
+        done = False
+        try:
+            def admit(engine: LLMEngine) -> None:
+                engine.add_request(rid, ids, first, request.seed)
+                self.streamer.add(rid, target.endpoints[0].address, list(target.block_ids),
+                                  target.skip_blocks)
+            try:
+                await self.loop.call(admit)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            out: StepOutput = await stream.get()
+            done = True
+            if not out.new_token_ids:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill was aborted")
+            arrived, started, finished = (self._marks.get(rid, []) + [0.0, 0.0, 0.0])[:3]
+            queue_s, compute_s = started - arrived, finished - started
+            self.count("prefills")
+            self.count("prompt_tokens", out.num_prompt_tokens)
+            self.count("prefix_hit_tokens", out.num_cached_tokens)
+            self.count("queue_s", queue_s)
+            self.count("compute_s", compute_s)
+            lp = out.new_logprobs[0] if out.new_logprobs else None
+            return worker_pb.PrefillResponse(
+                token_id=out.new_token_ids[0],
+                logprob=logprob_to_pb(lp) if lp is not None else None,
+                cached_tokens=out.num_cached_tokens, queue_s=queue_s, compute_s=compute_s,
+                kv_bytes=self._kv_bytes(rid))
+        finally:
+            self._marks.pop(rid, None)
+            self.streamer.sent_bytes.pop(rid, None)
+            self.loop.close_stream(rid)
+            if not done:
+                await self._abort(rid)
+
+    async def Abort(self, request, context):
+        return worker_pb.AbortResponse(found=await self._abort(request.request_id))
+
+    async def _abort(self, rid: str) -> bool:
+        def run(engine: LLMEngine) -> bool:
+            found = engine.abort(rid)
+            self.streamer.abort(rid, "aborted")
+            return found
+        return await self.loop.call(run)
+
+    def _kv_bytes(self, rid: str) -> int:
+        return self.streamer.sent_bytes.pop(rid, 0)
+
+    def _block_size(self) -> int:
+        return self.loop.engine.config.block_size

@@ -1,0 +1,31 @@
+"""Router configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model: str
+    """Checkpoint directory (tokenizer and model card come from it)."""
+    prefill: tuple[str, ...] = ()
+    """host:port of each prefill worker."""
+    decode: tuple[str, ...] = ()
+    """host:port of each decode worker."""
+    host: str = "127.0.0.1"
+    port: int = 50051
+    model_id: str = ""
+    """Name served in ListModels (default: the checkpoint directory's name)."""
+    local_prefill_tokens: int = 32
+    """Uncached prompts up to this many tokens are prefilled by the decode worker itself."""
+    max_inflight: int = 1024
+    """Requests in flight beyond this are refused with RESOURCE_EXHAUSTED."""
+    default_timeout_s: float = 600.0
+    """Deadline applied when the client sets none."""
+    health_period_s: float = 1.0
+    """How often each worker's stats are polled."""
+    health_misses: int = 3
+    """Consecutive failed polls that take a worker out of its pool."""
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens accepted on the public API (empty = no auth)."""

@@ -1,0 +1,168 @@
+"""One request's journey through the cluster, as seen from the router.
+
+    pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints}
+        ├─ short uncached prompt: D prefills itself (local_prefill), tokens follow
+        └─ else pick P ─► Prefill(P, target = D's blocks) ─► first token (streamed at once)
+                          P streams KV to D; D decodes ─► tokens ... ─► finished
+
+Every exit path (finish, stop string, error, client cancel, deadline) cancels the calls still
+open, which makes the workers abort the request and free its blocks.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.proto import pb, worker_pb
+from pdserve.serving.convert import FINISH_FROM_PB, params_to_pb
+from router import policy
+from router.pool import WorkerHandle, WorkerPool
+from router.validation import ValidRequest
+
+
+class FlowError(Exception):
+    """Ends a request with a gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class TokenEvent:
+    token_ids: list[int]
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class FinishEvent:
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class FlowTimings:
+    """Router-side timestamps (perf_counter seconds) for the TTFT breakdown."""
+
+    start: float = 0.0
+    decode_ready: float = 0.0
+    first_token: float = 0.0
+    prefill_remote: bool = False
+    prefill_compute_s: float = 0.0
+
+
+class Flow:
+    def __init__(self, prefill: WorkerPool, decode: WorkerPool, local_prefill_tokens: int,
+                 rng: random.Random) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        self.local_prefill_tokens = local_prefill_tokens
+        self.rng = rng
+
+    async def run(self, rid: str, req: ValidRequest, timeout_s: float,
+                  timings: FlowTimings) -> AsyncIterator[TokenEvent | FinishEvent]:
+        seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
+        deadline = time.time() + timeout_s
+        timings.start = time.perf_counter()
+        d = self._pick_decode()
+        remote = policy.prefill_remotely(len(req.prompt_token_ids), 0,
+                                         self.local_prefill_tokens, bool(self.prefill.healthy()))
+        call = d.stub.Decode(worker_pb.DecodeRequest(
+            request_id=rid, prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_pb(req.params), seed=seed, local_prefill=not remote,
+            deadline_unix_s=deadline), timeout=timeout_s)
+        d.inflight += 1
+        try:
+            events = call.__aiter__()
+            ready = await self._next(events, d, self.decode)
+            timings.decode_ready = time.perf_counter()
+            if ready is None or ready.WhichOneof("event") != "ready":
+                raise FlowError(grpc.StatusCode.INTERNAL, "decode worker skipped the handshake")
+            if remote:
+                timings.prefill_remote = True
+                yield await self._prefill(rid, req, seed, ready.ready, deadline, timings)
+            async for ev in self._decode_events(events, d):
+                yield ev
+        finally:
+            d.inflight -= 1
+            call.cancel()  # no-op once finished; otherwise D aborts the request
+
+    async def _prefill(self, rid: str, req: ValidRequest, seed: int,
+                       ready: worker_pb.DecodeReady, deadline: float,
+                       timings: FlowTimings) -> TokenEvent:
+        p = self._pick_prefill(len(req.prompt_token_ids))
+        target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
+                                    skip_blocks=ready.cached_blocks)
+        p.inflight += 1
+        try:
+            resp = await p.stub.Prefill(worker_pb.PrefillRequest(
+                request_id=rid, prompt_token_ids=req.prompt_token_ids,
+                sampling=params_to_pb(req.params), seed=seed, target=target,
+                deadline_unix_s=deadline), timeout=max(deadline - time.time(), 0.001))
+        except grpc.aio.AioRpcError as exc:
+            raise _flow_error(exc, p, self.prefill) from None
+        finally:
+            p.inflight -= 1
+        timings.first_token = time.perf_counter()
+        timings.prefill_compute_s = resp.compute_s
+        lps = [resp.logprob] if resp.HasField("logprob") else []
+        return TokenEvent([resp.token_id], lps)
+
+    async def _decode_events(self, events, d: WorkerHandle
+                             ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        while True:
+            ev = await self._next(events, d, self.decode)
+            if ev is None:
+                raise FlowError(grpc.StatusCode.UNAVAILABLE, "decode stream ended early")
+            kind = ev.WhichOneof("event")
+            if kind == "tokens":
+                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs))
+            elif kind == "finished":
+                f = ev.finished
+                yield FinishEvent(FINISH_FROM_PB.get(f.reason, "abort"), f.prompt_tokens,
+                                  f.completion_tokens, f.cached_tokens)
+                return
+
+    async def _next(self, events, worker: WorkerHandle, pool: WorkerPool):
+        try:
+            return await events.__anext__()
+        except StopAsyncIteration:
+            return None
+        except grpc.aio.AioRpcError as exc:
+            raise _flow_error(exc, worker, pool) from None
+
+    def _pick_decode(self) -> WorkerHandle:
+        healthy = self.decode.healthy()
+        i = policy.pick_decode([_load(i, w) for i, w in enumerate(healthy)])
+        if i is None:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
+        return healthy[i]
+
+    def _pick_prefill(self, prompt_tokens: int) -> WorkerHandle:
+        healthy = self.prefill.healthy()
+        i = policy.pick_prefill([_load(i, w) for i, w in enumerate(healthy)], prompt_tokens)
+        if i is None:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
+        return healthy[i]
+
+
+def _load(i: int, w: WorkerHandle) -> policy.Load:
+    s = w.stats
+    return policy.Load(i, int(s.queued_prefill_tokens), int(s.kv_blocks_used),
+                       int(s.kv_blocks_total), w.inflight)
+
+
+def _flow_error(exc: grpc.aio.AioRpcError, worker: WorkerHandle, pool: WorkerPool) -> FlowError:
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        pool.mark_failed(worker)
+    if code == grpc.StatusCode.CANCELLED:
+        code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call
+    return FlowError(code, f"{worker.role} worker {worker.address}: {exc.details()}")

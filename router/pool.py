@@ -1,0 +1,102 @@
+"""Worker pools: channels, load figures and health, refreshed by polling `GetStats`.
+
+A worker that misses `health_misses` polls in a row (or reports NOT_SERVING) leaves its pool
+until it answers again; requests only ever go to healthy workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+
+from pdserve.proto import worker_pb, worker_pb_grpc
+from pdserve.serving.grpc_server import MAX_MESSAGE_BYTES
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerHandle:
+    address: str
+    role: str
+    channel: grpc.aio.Channel
+    stub: worker_pb_grpc.WorkerStub
+    healthy: bool = False
+    misses: int = 0
+    inflight: int = 0  # requests this router has sent and not yet seen finish
+    stats: worker_pb.WorkerStats = field(default_factory=worker_pb.WorkerStats)
+    info: worker_pb.WorkerInfo | None = None
+
+
+class WorkerPool:
+    def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
+                 max_misses: int) -> None:
+        opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+        self.role = role
+        self.workers = []
+        for addr in addresses:
+            channel = grpc.aio.insecure_channel(addr, options=opts)
+            self.workers.append(WorkerHandle(addr, role, channel,
+                                             worker_pb_grpc.WorkerStub(channel)))
+        self.period_s = period_s
+        self.max_misses = max_misses
+        self._task: asyncio.Task | None = None
+
+    def healthy(self) -> list[WorkerHandle]:
+        return [w for w in self.workers if w.healthy]
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.create_task(self._poll_forever())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        for w in self.workers:
+            await w.channel.close()
+
+    async def wait_healthy(self, timeout_s: float) -> bool:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while loop.time() < end:
+            if all(w.healthy for w in self.workers):
+                return True
+            await asyncio.sleep(0.1)
+            await self.poll_once()
+        return all(w.healthy for w in self.workers)
+
+    def mark_failed(self, worker: WorkerHandle) -> None:
+        """A call to the worker failed with UNAVAILABLE: stop using it until a poll succeeds."""
+        if worker.healthy:
+            log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
+        worker.healthy = False
+        worker.misses = self.max_misses
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            await self.poll_once()
+
+    async def _poll(self, w: WorkerHandle) -> None:
+        try:
+            if w.info is None:
+                w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
+            w.stats = await w.stub.GetStats(worker_pb.StatsRequest(), timeout=self.period_s)
+        except grpc.aio.AioRpcError:
+            w.misses += 1
+            if w.misses >= self.max_misses and w.healthy:
+                log.warning("%s worker %s missed %d polls; out of the pool",
+                            self.role, w.address, w.misses)
+                w.healthy = False
+            return
+        if not w.healthy:
+            log.info("%s worker %s is healthy", self.role, w.address)
+        w.misses = 0
+        w.healthy = True

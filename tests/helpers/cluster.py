@@ -1,0 +1,83 @@
+"""End-to-end helpers: a real local cluster on loopback, and what its workers report."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import grpc
+
+from pdserve.launcher import ClusterSpec, LocalCluster
+from pdserve.proto import worker_pb, worker_pb_grpc
+
+
+def start_cluster(model: Path, tmp: Path, prefill: int = 1, decode: int = 1,
+                  worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = ()
+                  ) -> LocalCluster:
+    spec = ClusterSpec(model=str(model), port=0, num_prefill=prefill, num_decode=decode,
+                       threads_per_worker=1, worker_args=("--dtype", "float32", *worker_args),
+                       router_args=router_args, log_dir=str(tmp / "logs"),
+                       env={"OMP_NUM_THREADS": "1"})
+    return LocalCluster(spec).start()
+
+
+def worker_stats(address: str) -> worker_pb.WorkerStats:
+    with grpc.insecure_channel(address) as ch:
+        return worker_pb_grpc.WorkerStub(ch).GetStats(worker_pb.StatsRequest(), timeout=10)
+
+
+def wait_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> dict[str, int]:
+    """Wait until no worker holds a KV block or a request; returns the blocks still used."""
+    end = time.monotonic() + timeout_s
+    used: dict[str, int] = {}
+    while time.monotonic() < end:
+        used = {}
+        for c in cluster.children:
+            s = worker_stats(c.info["address"])
+            used[c.name] = s.kv_blocks_used + s.num_running + s.num_waiting
+        if not any(used.values()):
+            return used
+        time.sleep(0.2)
+    return used
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """host:port of every TCP socket `pid` listens on (from /proc, no extra tools)."""
+    inodes = set()
+    fd_dir = Path(f"/proc/{pid}/fd")
+    for fd in fd_dir.iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            parts = line.split()
+            if parts[3] == "0A" and parts[9] in inodes:  # 0A = LISTEN
+                found.append(_decode_addr(parts[1], table == "tcp6"))
+    return found
+
+
+def _decode_addr(hexaddr: str, v6: bool) -> str:
+    host, port = hexaddr.split(":")
+    if not v6:
+        ip = ".".join(str(int(host[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    elif host == "0" * 32:
+        ip = "::"
+    elif host.startswith("0000000000000000FFFF0000"):
+        h = host[24:]
+        ip = ".".join(str(int(h[i:i + 2], 16)) for i in (6, 4, 2, 0))
+    elif host == "00000000000000000000000001000000":
+        ip = "::1"
+    else:
+        ip = host
+    return f"{ip}:{int(port, 16)}"
+
+
+def run(coro):
+    return asyncio.run(coro)
