@@ -4,7 +4,7 @@ A disaggregated request's life on this worker:
 
     Decode() ─► reserve blocks (prefix hit counted) ─► `ready` event {cached_blocks, block_ids}
        WAITING_FOR_KV ── all layers + DONE{first token} ──► RUNNING ──► tokens ... ► finished
-                     └── transfer failed / timed out ──► finished(abort) + UNAVAILABLE
+                     └── transfer failed / timed out ──► ABORTED (router: UNAVAILABLE)
 
 With `local_prefill` the request skips the transfer and is prefilled here.
 """
@@ -64,7 +64,8 @@ class DecodeService(WorkerServicerBase):
                     finished = True
                     error = self._failed.pop(rid, None)
                     if error is not None:
-                        await context.abort(grpc.StatusCode.UNAVAILABLE, error)
+                        # ABORTED, not UNAVAILABLE: this worker is fine, the request is not.
+                        await context.abort(grpc.StatusCode.ABORTED, error)
                     yield worker_pb.DecodeEvent(finished=worker_pb.DecodeFinished(
                         reason=FINISH_TO_PB[out.finish_reason],
                         prompt_tokens=out.num_prompt_tokens,

@@ -57,8 +57,20 @@ class PrefillService(WorkerServicerBase):
                 # t_done (wall clock) lets the decode worker measure the exposed transfer.
                 meta = {"token_id": out.new_token_ids[0],
                         "logprob": None if lp is None else lp.logprob, "t_done": time.time()}
-                self.streamer.finish(out.request_id, meta)
+                future = self.streamer.finish(out.request_id, meta)
+                if future is not None:
+                    future.add_done_callback(self._transfer_done)
         return outputs
+
+    def _transfer_done(self, future) -> None:
+        """Transfer statistics (runs on a sender thread)."""
+        if future.exception() is not None:
+            self.count("kv_transfers_failed")
+            return
+        result = future.result()
+        self.count("kv_transfers_done")
+        self.count("kv_bytes", result.bytes_sent)
+        self.count("kv_transfer_s", result.latency_s)
 
     async def Prefill(self, request, context):
         rid = request.request_id

@@ -15,6 +15,7 @@ from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
+from router.frontend import Frontend
 from router.pool import WorkerPool
 from router.service import PDServeService
 
@@ -31,8 +32,8 @@ async def serve(cfg: RouterConfig) -> None:
     infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
     max_len = min((i.max_model_len for i in infos), default=model_cfg.max_position_embeddings)
     model_id = cfg.model_id or (infos[0].model_id if infos else os.path.basename(cfg.model))
-    service = PDServeService(cfg, tokenizer, prefill, decode, model_cfg.vocab_size, max_len,
-                             model_id)
+    frontend = Frontend(cfg, tokenizer, prefill, decode)
+    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),

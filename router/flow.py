@@ -163,6 +163,7 @@ def _flow_error(exc: grpc.aio.AioRpcError, worker: WorkerHandle, pool: WorkerPoo
     code = exc.code()
     if code == grpc.StatusCode.UNAVAILABLE:
         pool.mark_failed(worker)
-    if code == grpc.StatusCode.CANCELLED:
-        code = grpc.StatusCode.UNAVAILABLE  # the worker went away mid-call
+    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
+        # The worker went away mid-call, or lost this request's KV: retryable by the client.
+        code = grpc.StatusCode.UNAVAILABLE
     return FlowError(code, f"{worker.role} worker {worker.address}: {exc.details()}")
