@@ -1,0 +1,67 @@
+"""The decode worker's KV sink: writes only into reserved blocks, only while the request lives,
+and activates a request only when every (layer, block) it needs has arrived."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from decode_worker.kv_sink import DecodeKVSink
+
+LAYERS, BLOCKS, SHAPE = 2, 8, (2, 2, 4, 3)  # [2, KVH, bs, D] per block
+
+
+def make():
+    caches = [torch.zeros(BLOCKS, *SHAPE) for _ in range(LAYERS)]
+    ready, errors = [], []
+    sink = DecodeKVSink(caches, lambda rid, meta: ready.append((rid, meta)),
+                        lambda rid, why: errors.append((rid, why)))
+    return sink, caches, ready, errors
+
+
+def kv(n, value):
+    return torch.full((n, *SHAPE), float(value))
+
+
+def test_layers_land_in_reserved_blocks_and_done_activates():
+    sink, caches, ready, errors = make()
+    sink.expect("r", [5, 2, 7], skip=1, timeout_s=10)  # block 5 was already cached on D
+    for layer in range(LAYERS):
+        sink.on_layer("r", layer, [2, 7], kv(2, layer + 1))
+    sink.on_done("r", {"token_id": 9})
+    assert ready == [("r", {"token_id": 9})] and errors == []
+    assert torch.all(caches[1][2] == 2) and torch.all(caches[0][7] == 1)
+    assert torch.all(caches[0][5] == 0)  # the skipped block is untouched
+
+
+def test_done_with_missing_layers_fails_instead_of_serving_garbage():
+    sink, _, ready, errors = make()
+    sink.expect("r", [1, 2], skip=0, timeout_s=10)
+    sink.on_layer("r", 0, [1, 2], kv(2, 1))
+    sink.on_done("r", {"token_id": 9})
+    assert ready == [] and errors and "missing" in errors[0][1]
+
+
+def test_writes_outside_the_reservation_fail_the_request():
+    sink, caches, ready, errors = make()
+    sink.expect("r", [1, 2], skip=0, timeout_s=10)
+    sink.on_layer("r", 0, [3], kv(1, 5))
+    assert errors and torch.all(caches[0][3] == 0)
+
+
+def test_cancelled_request_never_writes_again():
+    sink, caches, _, errors = make()
+    sink.expect("r", [4], skip=0, timeout_s=10)
+    assert sink.cancel("r")
+    sink.on_layer("r", 0, [4], kv(1, 3))  # a late layer after the blocks were released
+    sink.on_done("r", {"token_id": 1})
+    assert torch.all(caches[0][4] == 0) and errors == []
+
+
+def test_expiry_fails_stalled_transfers():
+    sink, _, _, errors = make()
+    sink.expect("r", [4], skip=0, timeout_s=0.0)
+    time.sleep(0.01)
+    sink.expire()
+    assert errors and "timed out" in errors[0][1] and sink.num_pending == 0
