@@ -1,6 +1,6 @@
 """The `pdserve` command: one entry point for every role.
 
-    pdserve up [--model DIR] [--host H] [--port P] [--prefill N] [--decode M]
+    pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
     pdserve generate [--target HOST:PORT] "prompt"
     pdserve demo-model DIR
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
@@ -39,6 +39,8 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port (0 = any free port, -1 = none)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--threads-per-worker", type=int, default=0)
@@ -67,7 +69,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     spec = ClusterSpec(model=model, host=a.host, port=a.port, num_prefill=a.prefill,
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
                        worker_args=tuple(a.worker_arg), log_dir=a.log_dir,
-                       router_args=("--local-prefill-tokens", str(a.local_prefill_tokens)))
+                       router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
+                                    "--http-port", str(a.http_port)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -75,6 +78,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     cluster.start()
     try:
         print(f"pdserve router   grpc://{cluster.address}  (model {model})", flush=True)
+        if cluster.http_address:
+            print(f"  openai api     http://{cluster.http_address}/v1", flush=True)
         for c in cluster.children:
             extra = f"  kv {c.info['kv_address']}" if "kv_address" in c.info else ""
             print(f"  {c.name:<10} grpc://{c.info['address']}{extra}", flush=True)

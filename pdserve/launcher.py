@@ -32,6 +32,8 @@ class ClusterSpec:
     worker_args: tuple[str, ...] = ()
     """Extra flags for every worker (engine options)."""
     router_args: tuple[str, ...] = ()
+    """Extra router flags, e.g. ("--http-port", "8080"). Without --http-port, a cluster on any
+    free gRPC port (port=0) puts the HTTP API on any free port too, so clusters never collide."""
     log_dir: str | None = None
     """Where children's stderr goes (default: inherit)."""
     env: dict[str, str] = field(default_factory=dict, hash=False)
@@ -54,6 +56,12 @@ class LocalCluster:
     def address(self) -> str:
         assert self.router is not None
         return self.router.info["address"]
+
+    @property
+    def http_address(self) -> str | None:
+        """host:port of the router's OpenAI HTTP API; None when it runs without one."""
+        assert self.router is not None
+        return self.router.info.get("http_address")
 
     def workers(self, role: str) -> list[Child]:
         return [c for c in self.children if c.info.get("role") == role]
@@ -83,9 +91,11 @@ class LocalCluster:
             self._wait_ready(child, timeout_s)
         decode = ",".join(c.info["address"] for c in self.workers("decode"))
         prefill = ",".join(c.info["address"] for c in self.workers("prefill"))
+        http_set = s.port != 0 or any(x.startswith("--http-port") for x in s.router_args)
+        http = [] if http_set else ["--http-port", "0"]
         self.router = self._spawn("router", "router", [
             "--model", s.model, "--host", s.host, "--port", str(s.port), "--decode", decode,
-            "--prefill", prefill, *s.router_args])
+            "--prefill", prefill, *http, *s.router_args])
         self._wait_ready(self.router, timeout_s)
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:

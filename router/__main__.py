@@ -1,4 +1,5 @@
-"""`python -m router --model DIR --prefill H:P[,H:P] --decode H:P[,H:P] [--port 50051]`"""
+"""`python -m router --model DIR --prefill H:P[,H:P] --decode H:P[,H:P] [--port 50051]
+[--http-port 8000]`: the gRPC API and, on the same asyncio loop, the OpenAI HTTP API."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 
 from pdserve.engine.model_config import ModelConfig
 from pdserve.proto import pb, pb_grpc
@@ -16,13 +18,14 @@ from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.frontend import Frontend
+from router.openai import HttpConfig, OpenAIServer, ServedModel
 from router.pool import WorkerPool
 from router.service import PDServeService
 
 log = logging.getLogger("router")
 
 
-async def serve(cfg: RouterConfig) -> None:
+async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     prefill = WorkerPool("prefill", cfg.prefill, cfg.health_period_s, cfg.health_misses)
@@ -39,17 +42,26 @@ async def serve(cfg: RouterConfig) -> None:
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
                                 interceptors=interceptors)
-    announce_ready({"role": "router", "address": f"{cfg.host}:{server.port}"})
+    ready = {"role": "router", "address": f"{cfg.host}:{server.port}"}
+    http = None
+    if http_cfg is not None:
+        served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()))
+        http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()))
+        ready["http_address"] = await http.start()
+    announce_ready(ready)
 
     async def cleanup() -> None:
         await server.set_serving(False)
+        if http is not None:
+            await http.stop()
         await server.server.stop(grace=2)
         await asyncio.gather(prefill.close(), decode.close())
 
     await wait_for_signal(cleanup)
 
 
-def parse(argv: list[str] | None = None) -> RouterConfig:
+def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | None]:
+    """The router's config, and the HTTP server's (None when --http-port is -1)."""
     p = argparse.ArgumentParser(prog="router")
     p.add_argument("--model", required=True)
     p.add_argument("--prefill", default="", help="comma-separated host:port list")
@@ -59,19 +71,26 @@ def parse(argv: list[str] | None = None) -> RouterConfig:
     p.add_argument("--model-id", default="")
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--max-inflight", type=int, default=1024)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI HTTP API port (0 = any free port, -1 = no HTTP API)")
+    p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     a = p.parse_args(argv)
+    if a.http_port < -1:
+        p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
+    http = None if a.http_port == -1 else HttpConfig(
+        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens)
     return RouterConfig(
         model=a.model, prefill=tuple(x for x in a.prefill.split(",") if x),
         decode=tuple(x for x in a.decode.split(",") if x), host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens,
-        max_inflight=a.max_inflight, auth_tokens=tokens)
+        max_inflight=a.max_inflight, auth_tokens=tokens), http
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s router %(levelname)s %(message)s")
-    asyncio.run(serve(parse(argv)))
+    asyncio.run(serve(*parse(argv)))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""The OpenAI-compatible HTTP server (aiohttp), on the router's asyncio loop.
+
+Owns the routes, bearer-token auth (the same tokens as the gRPC API; `/health` stays open), the
+body size limit, and turning every failure into an OpenAI error body: `ApiError`s, validation
+`RequestError`s, aiohttp's own HTTP errors (unknown route, wrong method, body too large) and,
+as a 500, anything unexpected.
+
+    GET  /health                 200 while a decode worker is healthy, else 503
+    GET  /v1/models[/{model}]
+    POST /v1/completions
+    POST /v1/chat/completions
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from router.frontend import Frontend
+from router.openai import chat, completions, sse
+from router.openai.errors import (
+    ApiError,
+    RequestError,
+    bad_request,
+    model_not_found,
+    unauthenticated,
+)
+from router.openai.generation import ApiContext
+from router.openai.responses import model_json, models_json
+from router.openai.schemas import ServedModel
+
+log = logging.getLogger(__name__)
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    """0 binds any free port (read the real one from `OpenAIServer.address`)."""
+    max_body_bytes: int = 4 * 1024 * 1024
+    """Larger request bodies are refused with 413."""
+    auth_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens accepted (empty = no auth); the router passes the gRPC API's tokens."""
+
+
+class OpenAIServer:
+    def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
+                 healthy: Callable[[], bool]) -> None:
+        self.ctx = ApiContext(frontend, model)
+        self.config = config
+        self.healthy = healthy
+        self._runner: web.AppRunner | None = None
+        self.address = ""
+        """host:port once started."""
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes,
+                              middlewares=[_errors, _auth(self.config.auth_tokens)])
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/v1/models/{model}", self._model)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        return app
+
+    async def start(self) -> str:
+        # handler_cancellation: a client that disconnects cancels its handler, which cancels
+        # the request on the workers even while no token is being written.
+        self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=2.0)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        port = self._runner.addresses[0][1]
+        self.address = f"{self.config.host}:{port}"
+        return self.address
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await completions.handle(request, self.ctx)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await chat.handle(request, self.ctx)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        ok = self.healthy()
+        return web.json_response({"status": "ok" if ok else "unavailable"},
+                                 status=200 if ok else 503)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response(models_json(self.ctx.model), dumps=sse.dumps)
+
+    async def _model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.ctx.model.id:
+            raise model_not_found(name, self.ctx.model.id)
+        return web.json_response(model_json(self.ctx.model), dumps=sse.dumps)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _error_response(exc)
+    except RequestError as exc:
+        return _error_response(bad_request(exc))
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        type_ = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return _error_response(ApiError(exc.status, _http_message(request, exc), type_))
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        return _error_response(ApiError(500, "internal server error", "server_error"))
+
+
+def _auth(tokens: Sequence[str]):
+    expected = [t.encode() for t in tokens]
+
+    @web.middleware
+    async def check(request: web.Request, handler) -> web.StreamResponse:
+        if expected and request.path not in _OPEN_PATHS:
+            header = request.headers.get("Authorization", "")
+            given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
+            if not any(hmac.compare_digest(given, t) for t in expected):
+                raise unauthenticated()
+        return await handler(request)
+
+    return check
+
+
+def _error_response(exc: ApiError) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, dumps=sse.dumps)
+
+
+def _http_message(request: web.Request, exc: web.HTTPException) -> str:
+    if exc.status == 404:
+        return f"no route {request.method} {request.path}"
+    if exc.status == 405:
+        return f"method {request.method} is not allowed on {request.path}"
+    return exc.text or exc.reason or f"HTTP {exc.status}"

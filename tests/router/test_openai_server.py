@@ -1,0 +1,271 @@
+"""The HTTP server over a scripted frontend (no workers): routes, SSE framing, auth, error
+mapping, limits, and cancellation when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import grpc
+import pytest
+
+from pdserve.demo_model import write_tokenizer_files
+from pdserve.tokenizer import Tokenizer
+from router.flow import FlowError
+from router.frontend import OutputChunk, Usage
+from router.openai import HttpConfig, OpenAIServer, ServedModel
+
+MODEL = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
+HANG = object()  # script item: wait until cancelled
+DONE_CHUNK = OutputChunk([], "", [], "length", Usage(3, 2, 0))
+SCRIPT = [OutputChunk([75], "he"), OutputChunk([76], "llo"), DONE_CHUNK]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return Tokenizer.from_pretrained(write_tokenizer_files(tmp_path_factory.mktemp("tok"), 512))
+
+
+class ScriptedFrontend:
+    """Plays a list of chunks (or raises an exception / hangs) for every request."""
+
+    def __init__(self, tokenizer, script, saturated=False):
+        self.tokenizer = tokenizer
+        self.script = script
+        self.saturated = saturated
+        self.inflight = 0
+        self.requests = []
+        self.closed = 0  # generators that ran their cleanup
+
+    async def generate(self, req, timeout_s):
+        self.requests.append(req)
+        try:
+            for item in self.script:
+                if item is HANG:
+                    await asyncio.Event().wait()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            self.closed += 1
+
+
+def serve(tokenizer, script=SCRIPT, scenario=None, tokens=(), **frontend_kw):
+    """Start the server on a free port, run `scenario(session, base_url, frontend)`, stop."""
+    frontend = ScriptedFrontend(tokenizer, script, **frontend_kw)
+
+    async def main():
+        server = OpenAIServer(frontend, MODEL, HttpConfig(port=0, max_body_bytes=4096,
+                                                          auth_tokens=tokens), lambda: True)
+        address = await server.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await scenario(session, f"http://{address}", frontend)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main()), frontend
+
+
+async def post(session, url, body, headers=None):
+    async with session.post(url, json=body, headers=headers) as resp:
+        return resp.status, await resp.json(), resp.headers.get("Content-Type", "")
+
+
+async def post_stream(session, url, body):
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await resp.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] for e in events]
+
+
+def test_completion_json(tokenizer):
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "seed": 3}
+    (status, out, ctype), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body))
+    assert status == 200 and ctype.startswith("application/json")
+    assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
+    assert out["choices"] == [{"index": 0, "text": "hello", "logprobs": None,
+                               "finish_reason": "length"}]
+    assert out["usage"]["total_tokens"] == 5
+    (req,) = fe.requests
+    assert req.prompt_token_ids == tokenizer.encode("hello world")
+    assert (req.params.max_tokens, req.params.seed) == (2, 3)
+    assert req.request_id == out["id"]
+
+
+def test_completion_stream_with_usage(tokenizer):
+    body = {"model": "tiny", "prompt": [5, 6, 7], "stream": True,
+            "stream_options": {"include_usage": True}}
+    events, fe = serve(tokenizer, scenario=lambda s, u, f: post_stream(
+        s, f"{u}/v1/completions", body))
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["he", "llo", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    assert all(c["usage"] is None for c in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    assert len({c["id"] for c in chunks}) == 1
+    assert fe.requests[0].prompt_token_ids == [5, 6, 7]
+
+
+def test_chat_stream_uses_the_template_and_starts_with_the_role(tokenizer):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    events, fe = serve(tokenizer, scenario=lambda s, u, f: post_stream(
+        s, f"{u}/v1/chat/completions", body))
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]"
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "hello"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert "usage" not in chunks[-1]
+    assert fe.requests[0].prompt_token_ids == tokenizer.encode_chat(body["messages"])
+
+
+def test_chat_json(tokenizer):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    (status, out, _), _ = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/chat/completions", body))
+    assert status == 200 and out["id"].startswith("chatcmpl-")
+    assert out["choices"][0]["message"]["content"] == "hello"
+
+
+def test_models_and_health(tokenizer):
+    async def scenario(s, u, f):
+        got = []
+        for path in ("/v1/models", "/v1/models/tiny", "/v1/models/other", "/health"):
+            async with s.get(u + path) as resp:
+                got.append((resp.status, await resp.json()))
+        return got
+
+    got, _ = serve(tokenizer, scenario=scenario)
+    assert got[0] == (200, {"object": "list", "data": [got[1][1]]})
+    assert got[1][1]["id"] == "tiny"
+    assert got[2][0] == 404 and got[2][1]["error"]["code"] == "model_not_found"
+    assert got[3] == (200, {"status": "ok"})
+
+
+def test_invalid_field_is_a_400_naming_it(tokenizer):
+    body = {"model": "tiny", "prompt": "x", "temperature": -1}
+    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body))
+    assert status == 400
+    assert out["error"]["param"] == "temperature" and "temperature" in out["error"]["message"]
+    assert out["error"]["type"] == "invalid_request_error"
+    assert fe.requests == []
+
+
+def test_http_level_errors_are_openai_shaped(tokenizer):
+    async def scenario(s, u, f):
+        got = []
+        async with s.get(f"{u}/v1/nope") as r:
+            got.append((r.status, await r.json()))
+        async with s.get(f"{u}/v1/completions") as r:
+            got.append((r.status, await r.json()))
+        async with s.post(f"{u}/v1/completions", data=b"x" * 5000) as r:
+            got.append((r.status, await r.json()))
+        async with s.post(f"{u}/v1/completions", data=b"{not json") as r:
+            got.append((r.status, await r.json()))
+        return got
+
+    got, _ = serve(tokenizer, scenario=scenario)
+    assert [s for s, _ in got] == [404, 405, 413, 400]
+    assert all(set(b["error"]) == {"message", "type", "param", "code"} for _, b in got)
+
+
+def test_bearer_tokens(tokenizer):
+    body = {"model": "tiny", "prompt": "x"}
+
+    async def scenario(s, u, f):
+        none = await post(s, f"{u}/v1/completions", body)
+        wrong = await post(s, f"{u}/v1/completions", body, {"Authorization": "Bearer nope"})
+        right = await post(s, f"{u}/v1/completions", body, {"Authorization": "Bearer s3cret"})
+        async with s.get(f"{u}/health") as r:
+            health = r.status
+        return none, wrong, right, health
+
+    (none, wrong, right, health), fe = serve(tokenizer, scenario=scenario, tokens=("s3cret",))
+    assert none[0] == wrong[0] == 401
+    assert none[1]["error"]["code"] == "invalid_api_key"
+    assert right[0] == 200 and health == 200
+    assert len(fe.requests) == 1
+
+
+@pytest.mark.parametrize("code, status", [
+    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    (grpc.StatusCode.CANCELLED, 499), (grpc.StatusCode.INTERNAL, 500),
+])
+def test_flow_errors_before_output_map_to_http_statuses(tokenizer, code, status):
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    (got, out, _), _ = serve(tokenizer, [FlowError(code, "boom")], scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body))
+    assert got == status and out["error"]["message"] == "boom"
+
+
+def test_saturated_router_answers_429(tokenizer):
+    body = {"model": "tiny", "prompt": "x"}
+    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body), saturated=True)
+    assert status == 429 and out["error"]["type"] == "rate_limit_error"
+    assert fe.requests == []
+
+
+def test_error_mid_stream_is_a_final_error_event(tokenizer):
+    script = [SCRIPT[0], FlowError(grpc.StatusCode.UNAVAILABLE, "decode worker lost")]
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    events, _ = serve(tokenizer, script, scenario=lambda s, u, f: post_stream(
+        s, f"{u}/v1/chat/completions", body))
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["message"] == "decode worker lost" and err["code"] == "unavailable"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_closes_the_request(tokenizer, stream):
+    body = {"model": "tiny", "prompt": "x", "stream": stream}
+
+    async def scenario(s, u, f):
+        resp_cm = s.post(f"{u}/v1/completions", json=body)
+        task = asyncio.ensure_future(resp_cm.__aenter__())
+        while not f.requests:
+            await asyncio.sleep(0.01)
+        if stream:
+            resp = await task
+            await resp.content.readuntil(b"\n\n")  # the first event arrived
+            resp.close()
+        else:
+            task.cancel()  # drops the connection while the server waits for output
+        for _ in range(500):  # the server notices the closed connection
+            if f.closed:
+                return f.closed
+            await asyncio.sleep(0.01)
+        return f.closed
+
+    closed, _ = serve(tokenizer, [SCRIPT[0], HANG], scenario=scenario)
+    assert closed == 1
+
+
+def test_unexpected_failure_mid_stream_is_a_500_event(tokenizer):
+    body = {"model": "tiny", "prompt": "x", "stream": True}
+    events, fe = serve(tokenizer, [SCRIPT[0], RuntimeError("bug")], scenario=lambda s, u, f:
+                       post_stream(s, f"{u}/v1/completions", body))
+    assert json.loads(events[-2])["error"]["type"] == "server_error"
+    assert events[-1] == "[DONE]" and fe.closed == 1
+
+
+def test_router_flags_configure_the_http_api(monkeypatch):
+    from router.__main__ import parse
+
+    monkeypatch.setenv("PDSERVE_AUTH_TOKENS", "a,b")
+    base = ["--model", "m", "--decode", "127.0.0.1:1", "--host", "0.0.0.0"]
+    cfg, http = parse(base)
+    assert (http.host, http.port, http.auth_tokens) == ("0.0.0.0", 8000, cfg.auth_tokens)
+    assert cfg.auth_tokens == ("a", "b")
+    _, http = parse([*base, "--http-port", "0", "--http-host", "127.0.0.1"])
+    assert (http.host, http.port) == ("127.0.0.1", 0)
+    assert parse([*base, "--http-port", "-1"])[1] is None
