@@ -1,6 +1,6 @@
 """KV transfer throughput over gloo on loopback vs this machine's memory copy bandwidth.
 
-    python bench/transfer_bench.py [--prompts 5] [--tokens 2048]
+    python bench/transfer_bench.py [--prompts 10] [--tokens 2048]
                                    [--output bench/results/transfer.json]
 
 A receiver process (this script with `--role receiver`) owns a paged KV cache of the demo model's
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -90,7 +91,7 @@ def send_prompts(address: str, tokens: int, prompts: int) -> tuple[list[float], 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompts", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--output", default="bench/results/transfer.json")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
@@ -131,10 +132,12 @@ def report(args, seconds: list[float], nbytes: int, sender_stats: dict,
         {"metric": "transfer throughput best (GB/s)", "value": best_bw / 1e9},
         {"metric": "memory copy bandwidth (GB/s)", "value": copy_bw / 1e9},
         {"metric": "ratio median / memcpy", "value": median_bw / copy_bw},
+        {"metric": "load average (1 min)", "value": os.getloadavg()[0]},
     ]
     print_table(rows, ["metric", "value"])
     path = write_json(args.output, {
         "bench": "transfer",
+        "load_average_1_5_15m": list(os.getloadavg()),  # the machine is shared: context
         "backend": "gloo",
         "kv_shape_per_layer": list(shape),
         "dtype": "float32",

@@ -1,8 +1,11 @@
 """Where KV blocks arriving from prefill workers land in the decode worker's paged cache.
 
 For each disaggregated request the sink knows the destination blocks it reserved and which
-(layer, block) pairs it still expects. The transfer engine's threads call `on_layer` /
-`on_done` / `on_failed`; the engine thread is told through the engine loop.
+(layer, block, KV head) triples of *this rank's heads* it still expects: with tensor
+parallelism on either side, one rank's heads may arrive in slices from several prefill ranks
+(re-sharding in transit). The transfer engine's threads call `on_layer` / `on_done` /
+`on_failed`. A request is ready when nothing is missing and, on the primary rank, when the
+prefill worker's DONE (carrying the first token) has arrived — in whichever order.
 
 A lock orders writes against cancellation: `cancel()` takes it before the engine releases a
 request's blocks, so a block can never be written after it was handed to another request.
@@ -26,24 +29,29 @@ class PendingKV:
     block_ids: list[int]  # every prompt block of the request, in order
     skip: int  # leading blocks the decode worker already held
     deadline: float
-    missing: set[tuple[int, int]] = field(default_factory=set)  # (layer, block index)
-    bytes: int = 0
+    missing: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, index, head)
+    meta: dict | None = None  # the prefill worker's DONE payload (first token)
 
 
 class DecodeKVSink:
     def __init__(self, caches: list[torch.Tensor],
                  on_ready: Callable[[str, dict], None],
-                 on_error: Callable[[str, str], None]) -> None:
+                 on_error: Callable[[str, str], None],
+                 head_start: int = 0, primary: bool = True) -> None:
         self._caches = caches
         self._on_ready = on_ready
         self._on_error = on_error
+        self._head_start = head_start  # global index of this rank's first KV head
+        self._num_heads = caches[0].shape[2] if caches else 0
+        self._primary = primary  # the rank that receives DONE{first token}
         self._lock = threading.Lock()
         self._pending: dict[str, PendingKV] = {}
         self.bytes_received = 0
 
     def expect(self, request_id: str, block_ids: list[int], skip: int, timeout_s: float) -> None:
-        missing = {(layer, i) for layer in range(len(self._caches))
-                   for i in range(skip, len(block_ids))}
+        heads = range(self._head_start, self._head_start + self._num_heads)
+        missing = {(layer, i, h) for layer in range(len(self._caches))
+                   for i in range(skip, len(block_ids)) for h in heads}
         with self._lock:
             self._pending[request_id] = PendingKV(list(block_ids), skip,
                                                   time.monotonic() + timeout_s, missing)
@@ -59,32 +67,40 @@ class DecodeKVSink:
 
     # -- transfer-engine callbacks (receiver threads) -------------------------------------
     def on_layer(self, request_id: str, layer: int, block_ids: list[int],
-                 kv: torch.Tensor) -> None:
+                 kv: torch.Tensor, head_start: int = 0) -> None:
+        """`kv` is [n, 2, heads, block_size, ...] for KV heads head_start.. (global index)."""
         with self._lock:
             p = self._pending.get(request_id)
             if p is None:
                 return  # cancelled or unknown: drop, never write
             allowed = {b: i for i, b in enumerate(p.block_ids) if i >= p.skip}
-            if not 0 <= layer < len(self._caches) or any(b not in allowed for b in block_ids):
-                self._fail_locked(request_id, "KV for blocks outside the reservation")
+            lo = head_start - self._head_start
+            hi = lo + kv.shape[2]
+            if (not 0 <= layer < len(self._caches) or lo < 0 or hi > self._num_heads
+                    or any(b not in allowed for b in block_ids)):
+                self._fail_locked(request_id, "KV outside the reservation or this rank's heads")
                 return
             cache = self._caches[layer]
             index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
-            cache.index_copy_(0, index, kv.to(device=cache.device, dtype=cache.dtype))
-            p.missing.difference_update((layer, allowed[b]) for b in block_ids)
-            p.bytes += kv.numel() * kv.element_size()
+            data = kv.to(device=cache.device, dtype=cache.dtype)
+            if lo == 0 and hi == self._num_heads:
+                cache.index_copy_(0, index, data)
+            else:
+                cache[:, :, lo:hi].index_copy_(0, index, data)
+            p.missing.difference_update((layer, allowed[b], h) for b in block_ids
+                                        for h in range(head_start, head_start + kv.shape[2]))
             self.bytes_received += kv.numel() * kv.element_size()
+            self._complete_locked(request_id, p)
 
     def on_done(self, request_id: str, meta: dict) -> None:
+        """A prefill rank finished sending; the primary's DONE carries the first token."""
         with self._lock:
-            p = self._pending.pop(request_id, None)
+            p = self._pending.get(request_id)
             if p is None:
                 return
-            if p.missing:
-                self._on_error(request_id, f"transfer ended with {len(p.missing)} "
-                                           "(layer, block) pairs missing")
-                return
-        self._on_ready(request_id, meta)
+            if "token_id" in meta:
+                p.meta = meta
+            self._complete_locked(request_id, p)
 
     def on_failed(self, request_id: str, reason: str) -> None:
         with self._lock:
@@ -95,7 +111,16 @@ class DecodeKVSink:
         now = time.monotonic()
         with self._lock:
             for rid in [r for r, p in self._pending.items() if p.deadline < now]:
-                self._fail_locked(rid, "KV transfer timed out")
+                p = self._pending[rid]
+                why = (f"{len(p.missing)} (layer, block, head) parts never arrived"
+                       if p.meta is not None else "KV transfer timed out")
+                self._fail_locked(rid, why)
+
+    def _complete_locked(self, request_id: str, p: PendingKV) -> None:
+        if p.missing or (self._primary and p.meta is None):
+            return
+        del self._pending[request_id]
+        self._on_ready(request_id, p.meta or {})
 
     def _fail_locked(self, request_id: str, reason: str) -> None:
         if self._pending.pop(request_id, None) is not None:

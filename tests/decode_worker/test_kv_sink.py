@@ -35,12 +35,34 @@ def test_layers_land_in_reserved_blocks_and_done_activates():
     assert torch.all(caches[0][5] == 0)  # the skipped block is untouched
 
 
-def test_done_with_missing_layers_fails_instead_of_serving_garbage():
+def test_done_before_the_last_layer_waits_and_missing_parts_expire():
     sink, _, ready, errors = make()
-    sink.expect("r", [1, 2], skip=0, timeout_s=10)
+    sink.expect("r", [1, 2], skip=0, timeout_s=0.05)
     sink.on_layer("r", 0, [1, 2], kv(2, 1))
-    sink.on_done("r", {"token_id": 9})
-    assert ready == [] and errors and "missing" in errors[0][1]
+    sink.on_done("r", {"token_id": 9})  # another prefill rank may still be sending layer 1
+    assert ready == [] and errors == []
+    time.sleep(0.06)
+    sink.expire()
+    assert ready == [] and errors and "never arrived" in errors[0][1]
+
+
+def test_head_slices_from_several_senders_complete_a_request():
+    sink, caches, ready, errors = make()  # this rank holds KV heads 0..1
+    sink.expect("r", [3], skip=0, timeout_s=10)
+    sink.on_done("r", {"token_id": 4})
+    for layer in range(LAYERS):
+        sink.on_layer("r", layer, [3], kv(1, 7)[:, :, :1], head_start=0)
+        assert ready == []
+        sink.on_layer("r", layer, [3], kv(1, 8)[:, :, 1:], head_start=1)
+    assert ready == [("r", {"token_id": 4})] and errors == []
+    assert torch.all(caches[0][3, :, 0] == 7) and torch.all(caches[0][3, :, 1] == 8)
+
+
+def test_heads_of_another_rank_are_refused():
+    sink, _, _, errors = make()
+    sink.expect("r", [3], skip=0, timeout_s=10)
+    sink.on_layer("r", 0, [3], kv(1, 7)[:, :, :1], head_start=2)
+    assert errors
 
 
 def test_writes_outside_the_reservation_fail_the_request():

@@ -1,0 +1,33 @@
+"""KV transfer engine: streams a prompt's KV cache, layer by layer, from a prefill worker into
+the paged cache of a decode worker over torch.distributed point-to-point.
+
+One 2-rank process group per (sender process, receiver process) pair, opened on demand through
+the receiver's TCPStore, capped in number and closed when idle. Gloo moves CPU tensors and all
+control messages; NCCL moves CUDA payloads. Control messages are versioned msgpack (`wire`),
+tensors move as tensors. Per-request state machines are described in `state`.
+
+    sender side (prefill):  KVSender.send_layer(...) × layers → KVSender.finish(...) → Future
+    receiver side (decode): KVReceiver(host, port, sink).start(); sink.on_layer/on_done/on_failed
+
+Modules: `config` (TransferConfig), `state` (lifecycle, results, errors), `wire` (framing and
+version), `rendezvous` (pair opening), `channel` (process groups of one pair), `sender_pair` /
+`receiver_pair` (one pair's threads), `sender` / `receiver` (the two engines), `checks`
+(argument validation), `stats`.
+"""
+
+from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.receiver import KVReceiver, ReceiveSink
+from kv_store.transfer.sender import KVSender
+from kv_store.transfer.state import TransferError, TransferResult, TransferState
+from kv_store.transfer.wire import VERSION
+
+__all__ = [
+    "VERSION",
+    "KVReceiver",
+    "KVSender",
+    "ReceiveSink",
+    "TransferConfig",
+    "TransferError",
+    "TransferResult",
+    "TransferState",
+]

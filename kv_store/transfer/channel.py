@@ -1,0 +1,183 @@
+"""A pair's process groups and the framing of messages on them.
+
+A `Channel` is one end of a pair: a 2-rank gloo group for control messages (and CPU payloads)
+and, on NCCL pairs, a 2-rank NCCL group for CUDA payloads. Groups are built directly on a
+`PrefixStore` of the receiver's TCPStore, never through the global default group, because one
+process talks to many peers. The receiver is rank 0, the sender rank 1. Messages from sender to
+receiver use `FORWARD_TAG`; the receiver's rare messages back (close requests) use `BACKWARD_TAG`,
+read by a dedicated thread on the sender that doubles as its failure detector.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroupGloo
+
+from kv_store.transfer import wire
+from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.wire import Header, ProtocolError
+
+RECEIVER_RANK = 0
+SENDER_RANK = 1
+FORWARD_TAG = 0
+BACKWARD_TAG = 1
+_ABORT_TAG = 7  # never used by a message: a recv on it exists only to time out (see abort)
+
+
+class ChannelClosed(RuntimeError):
+    """The pair's connection is gone (peer died, timed out, or aborted locally)."""
+
+
+def build_channel(
+    store: dist.Store, rank: int, host: str, cuda_device: torch.device | None,
+    config: TransferConfig,
+) -> Channel:
+    """Build this end of a pair (blocks until the peer builds its end, or connect_timeout_s).
+
+    `store` is already prefixed for this pair; `host` is the local address gloo listens on;
+    `cuda_device` set means an NCCL group for payloads is built too.
+    """
+    opts = ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=config.connect_timeout_s)
+    opts._threads = 1  # point-to-point ops never use the gloo worker threads
+    opts._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    gloo = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, 2, opts)
+    nccl = None
+    if cuda_device is not None:
+        # Our own waits (transfer_timeout_s) time out first and abort the group; the NCCL
+        # watchdog's limit is only a backstop, since by default it tears the process down.
+        watchdog_s = config.connect_timeout_s + 2 * config.transfer_timeout_s
+        nccl = _nccl_group(dist.PrefixStore("nccl/", store), rank, watchdog_s)
+    return Channel(gloo, rank, nccl, cuda_device)
+
+
+def _nccl_group(store: dist.Store, rank: int, timeout_s: float) -> dist.ProcessGroup:
+    from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
+
+    opts = ProcessGroupNCCL.Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    return ProcessGroupNCCL(store, rank, 2, opts)
+
+
+class Channel:
+    """One end of a pair. `send` and `recv_*` may run concurrently on different tags."""
+
+    def __init__(
+        self,
+        gloo: dist.ProcessGroup,
+        rank: int,
+        nccl: dist.ProcessGroup | None = None,
+        cuda_device: torch.device | None = None,
+    ) -> None:
+        self._gloo = gloo
+        self._nccl = nccl
+        self._peer = 1 - rank
+        self._device = cuda_device if nccl is not None else torch.device("cpu")
+        self._lock = threading.Lock()
+        self._aborted = False
+
+    @property
+    def device(self) -> torch.device:
+        """Where received payloads land and where payloads must be to avoid a staging copy."""
+        return self._device
+
+    def send(self, tag: int, header: Header, payload: torch.Tensor | None, timeout_s: float) -> int:
+        """Send one message and wait until the backend is done with it; return payload bytes."""
+        with self._closed_on_error(), self._on_device():
+            works = self._post_header(tag, wire.encode_header(header))
+            nbytes = 0
+            if payload is not None:
+                carrier = wire.to_carrier(self._staged(payload))
+                nbytes = carrier.numel() * carrier.element_size()
+                works.append(self._group_for(carrier).send([carrier], self._peer, tag))
+            for work in works:
+                work.wait(timedelta(seconds=timeout_s))
+        return nbytes
+
+    def send_raw_header(self, tag: int, data: bytes, timeout_s: float) -> None:
+        """Send already-encoded header bytes (lets tests speak a foreign protocol version)."""
+        with self._closed_on_error():
+            for work in self._post_header(tag, data):
+                work.wait(timedelta(seconds=timeout_s))
+
+    def recv_header(self, tag: int, timeout_s: float) -> Header:
+        """Wait up to `timeout_s` for the next message's header; `ProtocolError` if foreign."""
+        with self._closed_on_error():
+            length = torch.zeros(1, dtype=torch.int64)
+            self._gloo.recv([length], self._peer, tag).wait(timedelta(seconds=timeout_s))
+            n = int(length.item())
+            if not 0 < n <= wire.MAX_HEADER_BYTES:
+                raise ProtocolError(f"header length {n} out of range (1..{wire.MAX_HEADER_BYTES})")
+            data = torch.empty(n, dtype=torch.uint8)
+            self._gloo.recv([data], self._peer, tag).wait(timedelta(seconds=timeout_s))
+        return wire.decode_header(data.numpy().tobytes())
+
+    def recv_payload(self, tag: int, header: Header, timeout_s: float) -> torch.Tensor:
+        """Receive the payload announced by a LAYER header, in the header's dtype."""
+        with self._closed_on_error(), self._on_device():
+            buf = wire.empty_carrier(header.shape, header.dtype, self._device)
+            self._group_for(buf).recv([buf], self._peer, tag).wait(timedelta(seconds=timeout_s))
+        return wire.from_carrier(buf, header.dtype)
+
+    def abort(self) -> None:
+        """Close the pair now: every pending op on either end fails at once. Idempotent."""
+        with self._lock:
+            if self._aborted:
+                return
+            self._aborted = True
+        # gloo cannot cancel another thread's pending op, but an op whose wait times out closes
+        # the connection, which fails every pending op on this pair and tells the peer.
+        try:
+            probe = torch.empty(1, dtype=torch.uint8)
+            self._gloo.recv([probe], self._peer, _ABORT_TAG).wait(timedelta(milliseconds=1))
+        except RuntimeError:
+            pass
+        if self._nccl is not None:
+            try:
+                self._nccl.abort()
+            except RuntimeError:
+                pass
+
+    def _post_header(self, tag: int, data: bytes) -> list[dist.Work]:
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return [
+            self._gloo.send([length], self._peer, tag),
+            self._gloo.send([body], self._peer, tag),
+        ]
+
+    def _staged(self, payload: torch.Tensor) -> torch.Tensor:
+        if payload.is_cuda and self._nccl is None:
+            return payload.cpu()  # gloo pair: stage CUDA tensors through host memory
+        if not payload.is_cuda and self._nccl is not None:
+            return payload.to(self._device)
+        return payload
+
+    def _group_for(self, tensor: torch.Tensor) -> dist.ProcessGroup:
+        return self._nccl if tensor.is_cuda and self._nccl is not None else self._gloo
+
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        # NCCL picks its communicator from the calling thread's current device
+        if self._device.type == "cuda":
+            return torch.cuda.device(self._device)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _closed_on_error(self) -> Iterator[None]:
+        try:
+            yield
+        except (ProtocolError, ChannelClosed):
+            raise
+        except RuntimeError as exc:  # gloo/NCCL report a dead or timed-out pair this way
+            raise ChannelClosed(_first_line(exc)) from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]

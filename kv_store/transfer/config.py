@@ -1,0 +1,72 @@
+"""The transfer engine's configuration: one frozen dataclass shared by sender and receiver."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    """Timeouts, limits and backend choice of one `KVSender` or `KVReceiver`."""
+
+    backend: str = "auto"
+    """Payload transport: "auto" (NCCL for CUDA tensors, gloo for CPU tensors), "gloo" (CUDA
+    tensors are staged through host memory) or "nccl" (CPU tensors are rejected). Control
+    messages always travel over gloo."""
+
+    connect_timeout_s: float = 10.0
+    """Longest wait for the TCPStore connection and the pair rendezvous of a new pair."""
+
+    transfer_timeout_s: float = 30.0
+    """Sender: longest wait for one wire operation and from `finish()` to the DONE marker being
+    sent. Receiver: longest time from a request's first message to its DONE marker."""
+
+    lease_s: float = 60.0
+    """Sender-side lease: a transfer not completed this long after its first call fails, its
+    queued layers are dropped and the receiver is told (abort)."""
+
+    max_pairs: int = 64
+    """Most pair groups this process keeps open; the least recently used idle pair is closed to
+    make room, and a new pair is refused when none is idle."""
+
+    idle_timeout_s: float = 60.0
+    """A pair with nothing queued and no transfer in flight for this long is closed cleanly."""
+
+    close_timeout_s: float = 2.0
+    """Grace for a clean close handshake and for joining threads before a pair is torn down."""
+
+    max_message_bytes: int = 1 << 30
+    """Largest payload tensor accepted in one layer message (guards against corrupt headers)."""
+
+    history_size: int = 4096
+    """How many finished requests are remembered for `state()` and to drop late messages."""
+
+    poll_interval_s: float = 0.02
+    """Tick of the background threads (accept loop, deadlines, idle checks)."""
+
+    cuda_device: int | None = None
+    """CUDA device that NCCL pairs use on the receiver (None: the device that is current in the
+    thread calling `KVReceiver.start()`)."""
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"TransferConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in (
+            "connect_timeout_s", "transfer_timeout_s", "lease_s", "idle_timeout_s",
+            "close_timeout_s", "poll_interval_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
+        for name in ("max_pairs", "max_message_bytes", "history_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
+        if self.cuda_device is not None and (
+            not isinstance(self.cuda_device, int) or self.cuda_device < 0
+        ):
+            raise ValueError(
+                f"TransferConfig.cuda_device must be None or >= 0, got {self.cuda_device!r}")

@@ -1,0 +1,343 @@
+"""`KVReceiver`: the decode side of the transfer engine, and the `ReceiveSink` it feeds.
+
+Owns the TCPStore server that senders rendezvous through, the pairs they open (capped; the
+least recently used idle pair is asked to close to make room), and the receive-side record of
+every request (state and deadline). Three kinds of threads: one accept loop, one receive loop
+per pair, one watchdog for deadlines. Sink calls for one request never overlap and never follow
+its terminal call (`on_done` or `on_failed`, exactly one of which is made per request).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from kv_store.transfer import rendezvous
+from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.receiver_pair import ReceiverPair
+from kv_store.transfer.rendezvous import Hello, Reply
+from kv_store.transfer.state import History, TransferState, check_transition
+from kv_store.transfer.stats import TransferStats
+from kv_store.transfer.wire import Header, Kind, ProtocolError
+
+log = logging.getLogger(__name__)
+_WILDCARDS = ("", "0.0.0.0", "::")
+
+
+class ReceiveSink(Protocol):
+    """Implemented by the decode worker; called from the receiver's threads."""
+
+    def on_layer(self, request_id: str, layer: int, block_ids: list[int], kv: torch.Tensor,
+                 head_start: int = 0) -> None:
+        """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. A sink that
+        receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes the keyword;
+        it is only passed when non-zero."""
+
+    def on_done(self, request_id: str, meta: dict) -> None:
+        """Every layer of the request arrived; `meta` is what the sender passed to finish()."""
+
+    def on_failed(self, request_id: str, reason: str) -> None:
+        """The sender aborted, the pair died mid-transfer, or the request timed out."""
+
+
+@dataclass(eq=False)
+class _Inbound:
+    """Receiver-side record of one request (state guarded by the receiver's lock)."""
+
+    request_id: str
+    state: TransferState
+    deadline: float
+    started: float
+    pair: ReceiverPair | None = None
+    deliver: threading.Lock = field(default_factory=threading.Lock)  # serialises sink calls
+
+
+class KVReceiver:
+    """Accepts pairs from senders and delivers their layers to `sink`."""
+
+    def __init__(
+        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None
+    ) -> None:
+        if not isinstance(host, str):
+            raise ValueError(f"host must be a str, got {type(host).__name__}")
+        if not isinstance(port, int) or not 0 <= port < 65536:
+            raise ValueError(f"port must be an int in 0..65535, got {port!r}")
+        self._config = config or TransferConfig()
+        self._sink = sink
+        self._host = host
+        # Listen on exactly `host`: a TCPStore left to itself binds every interface.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, port))
+            listener.listen(128)
+        except OSError:
+            listener.close()
+            raise
+        self._store = dist.TCPStore(host, listener.getsockname()[1], None, True,
+                                    timedelta(seconds=self._config.connect_timeout_s),
+                                    wait_for_workers=False, master_listen_fd=listener.detach())
+        shown = f"[{host}]" if ":" in host else host
+        self.address = f"{shown}:{self._store.port}"
+        self._lock = threading.Lock()
+        self._pairs: OrderedDict[int, ReceiverPair] = OrderedDict()
+        self._bound: dict[ReceiverPair, set[str]] = {}
+        self._records: dict[str, _Inbound] = {}
+        self._history = History(self._config.history_size)
+        self._stats = TransferStats()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="kv-accept", daemon=True),
+            threading.Thread(target=self._watchdog, name="kv-watchdog", daemon=True),
+        ]
+        self._started = False
+        self._default_cuda: int | None = None
+
+    # ---- public API --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._started:
+            raise RuntimeError("KVReceiver.start() called twice")
+        self._started = True
+        if torch.cuda.is_available():  # NCCL pairs land on the device current at start()
+            self._default_cuda = torch.cuda.current_device()
+        for thread in self._threads:
+            thread.start()
+
+    def expect(self, request_id: str, timeout_s: float) -> None:
+        """Fail (`on_failed`) the request unless its DONE arrives within `timeout_s`."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if not isinstance(timeout_s, int | float) or timeout_s <= 0:
+            raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
+        now = time.monotonic()
+        with self._lock:
+            rec = self._records.get(request_id)
+            if rec is not None:
+                rec.deadline = now + timeout_s
+            elif self._history.get(request_id) is None:
+                self._records[request_id] = _Inbound(
+                    request_id, TransferState.PENDING, now + timeout_s, now)
+
+    def state(self, request_id: str) -> TransferState:
+        """State of a live or recently finished request; `KeyError` if unknown."""
+        with self._lock:
+            rec = self._records.get(request_id)
+            found = rec.state if rec is not None else self._history.get(request_id)
+        if found is None:
+            raise KeyError(f"unknown request_id {request_id!r}")
+        return found
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records)}
+        return self._stats.snapshot(**extra)
+
+    def close(self) -> None:
+        """Close every pair (senders see it at once), fail live requests, stop the threads."""
+        self._stop.set()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join()
+        with self._lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            pair.abort()
+        for pair in pairs:
+            pair.join(self._config.close_timeout_s)
+        with self._lock:
+            leftover = list(self._records.values())
+        for rec in leftover:
+            self._fail(rec, "receiver closed")
+        self._store = None  # the store server stops with its last reference
+
+    def __enter__(self) -> KVReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- pair handler (called from pair threads) ---------------------------------------------
+
+    def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
+        rec = self._record_for(pair, header.rid)
+        if rec is None:
+            return  # the request ended earlier (timed out, aborted): a late message
+        if header.kind is Kind.LAYER:
+            self._stats.add_received(payload.numel() * payload.element_size())
+            self._deliver_layer(rec, header, payload)
+        elif header.kind is Kind.DONE:
+            self._deliver_done(rec, header.meta)
+        else:
+            self._fail(rec, f"sender aborted: {header.reason}")
+
+    def on_down(self, pair: ReceiverPair, reason: str) -> None:
+        with self._lock:
+            if self._pairs.get(pair.pair_id) is pair:
+                del self._pairs[pair.pair_id]
+            rids = sorted(self._bound.pop(pair, ()))
+            recs = [self._records[r] for r in rids if r in self._records]
+        for rec in recs:
+            self._fail(rec, reason)
+
+    # ---- delivery ----------------------------------------------------------------------------
+
+    def _record_for(self, pair: ReceiverPair, request_id: str) -> _Inbound | None:
+        with self._lock:
+            rec = self._records.get(request_id)
+            if rec is None:
+                if self._history.get(request_id) is not None:
+                    return None
+                now = time.monotonic()
+                rec = _Inbound(request_id, TransferState.PENDING,
+                               now + self._config.transfer_timeout_s, now)
+                self._records[request_id] = rec
+            if rec.pair is None:
+                rec.pair = pair
+                self._bound.setdefault(pair, set()).add(request_id)
+            return rec
+
+    def _deliver_layer(self, rec: _Inbound, header: Header, kv: torch.Tensor) -> None:
+        with rec.deliver:
+            if not self._begin(rec):
+                return
+            try:
+                if header.head_start:
+                    self._sink.on_layer(rec.request_id, header.layer, list(header.blocks), kv,
+                                        head_start=header.head_start)
+                else:
+                    self._sink.on_layer(rec.request_id, header.layer, list(header.blocks), kv)
+                return
+            except Exception as exc:  # a sink bug fails this request, not the pair
+                log.exception("ReceiveSink.on_layer raised for %s", rec.request_id)
+                reason = f"sink rejected layer {header.layer}: {exc!r}"
+        self._fail(rec, reason)
+
+    def _deliver_done(self, rec: _Inbound, meta: dict) -> None:
+        with rec.deliver:
+            if not self._begin(rec):
+                return
+            with self._lock:
+                self._end_locked(rec, TransferState.DONE, "")
+            _call(self._sink.on_done, rec.request_id, meta)
+
+    def _fail(self, rec: _Inbound, reason: str) -> None:
+        with rec.deliver:
+            with self._lock:
+                if rec.state.terminal:
+                    return
+                self._end_locked(rec, TransferState.FAILED, reason)
+            _call(self._sink.on_failed, rec.request_id, reason)
+
+    def _begin(self, rec: _Inbound) -> bool:
+        """Mark data arriving for `rec`; False if it already ended."""
+        with self._lock:
+            if rec.state.terminal:
+                return False
+            if rec.state is TransferState.PENDING:
+                check_transition(rec.state, TransferState.TRANSFERRING)
+                rec.state = TransferState.TRANSFERRING
+                rec.started = time.monotonic()
+            return True
+
+    def _end_locked(self, rec: _Inbound, state: TransferState, reason: str) -> None:
+        check_transition(rec.state, state)
+        rec.state = state
+        self._records.pop(rec.request_id, None)
+        self._history.add(rec.request_id, state, reason)
+        if rec.pair is not None:
+            self._bound.get(rec.pair, set()).discard(rec.request_id)
+        if state is TransferState.DONE:
+            self._stats.record_done(time.monotonic() - rec.started)
+        else:
+            self._stats.record_failed()
+
+    # ---- accept loop and watchdog ------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.wait(self._config.poll_interval_s):
+            try:
+                offers = rendezvous.poll(self._store)
+            except RuntimeError as exc:
+                log.warning("polling the rendezvous store failed: %s", exc)
+                continue
+            for pair_id, hello in offers:
+                try:
+                    self._accept(pair_id, hello)
+                except Exception:  # one bad offer must not stop the accept loop
+                    log.exception("accepting pair %d failed", pair_id)
+
+    def _accept(self, pair_id: int, hello: Hello | ProtocolError) -> None:
+        refusal = str(hello) if isinstance(hello, ProtocolError) else self._refusal(hello)
+        if refusal:
+            rendezvous.answer(self._store, pair_id, Reply(False, refusal))
+            return
+        cfg = self._config
+        pair = ReceiverPair(pair_id, hello, self._store.clone(), self._gloo_host(hello),
+                            self._cuda_device(hello), cfg, self)
+        victim = None
+        with self._lock:
+            live = [p for p in self._pairs.values() if not p.closing]
+            if len(live) >= cfg.max_pairs:
+                victim = self._lru_idle(live)
+                if victim is None:
+                    refusal = f"receiver {self.address} has max_pairs={cfg.max_pairs} busy pairs"
+            if not refusal:
+                self._pairs[pair_id] = pair
+                self._bound[pair] = set()
+        if victim is not None:
+            victim.request_close("evicted: max_pairs reached")
+        if refusal:
+            rendezvous.answer(self._store, pair_id, Reply(False, refusal))
+            return
+        pair.start()
+        rendezvous.answer(self._store, pair_id, Reply(True))
+
+    def _refusal(self, hello: Hello) -> str:
+        if self._stop.is_set():
+            return f"receiver {self.address} is closing"
+        if hello.transport == "nccl" and not torch.cuda.is_available():
+            return f"receiver {self.address} has no CUDA device for an NCCL pair"
+        return ""
+
+    def _lru_idle(self, pairs: list[ReceiverPair]) -> ReceiverPair | None:
+        idle = [p for p in pairs if not self._bound.get(p)]
+        return min(idle, key=lambda p: p.last_used) if idle else None
+
+    def _gloo_host(self, hello: Hello) -> str:
+        if self._host in _WILDCARDS:  # bound everywhere: listen where this sender reaches us
+            return rendezvous.local_host_for(hello.host)
+        return self._host
+
+    def _cuda_device(self, hello: Hello) -> torch.device | None:
+        if hello.transport != "nccl":
+            return None
+        index = self._config.cuda_device
+        return torch.device("cuda", index if index is not None else (self._default_cuda or 0))
+
+    def _watchdog(self) -> None:
+        while not self._stop.wait(self._config.poll_interval_s):
+            now = time.monotonic()
+            with self._lock:
+                expired = [r for r in self._records.values() if now >= r.deadline]
+                overdue = [p for p in self._pairs.values() if p.overdue(now)]
+            for rec in expired:
+                self._fail(rec, "timed out waiting for the DONE marker")
+            for pair in overdue:
+                pair.abort()
+
+
+def _call(method: Any, *args: Any) -> None:
+    try:
+        method(*args)
+    except Exception:  # a sink bug must not kill the receiver's threads
+        log.exception("ReceiveSink.%s raised", getattr(method, "__name__", "?"))

@@ -1,0 +1,144 @@
+"""Receiver end of one pair: builds its channel and runs the receive loop in its own thread.
+
+The loop reads one message at a time (header, then the layer's payload) and hands it to the
+`PairHandler` (the `KVReceiver`), so the messages of a pair are delivered in the order they were
+sent. The pair ends when the sender says CLOSE (clean), when the connection breaks, when the
+sender stays silent longer than it promised, or on a protocol error (the pair is closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from kv_store.transfer import rendezvous, wire
+from kv_store.transfer.channel import (
+    BACKWARD_TAG,
+    FORWARD_TAG,
+    RECEIVER_RANK,
+    Channel,
+    ChannelClosed,
+    build_channel,
+)
+from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.rendezvous import Hello
+from kv_store.transfer.wire import Header, Kind, ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+class PairHandler(Protocol):
+    def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
+        """A LAYER (with its payload), DONE or ABORT message arrived on `pair`."""
+
+    def on_down(self, pair: ReceiverPair, reason: str) -> None:
+        """The pair ended; requests still bound to it must fail with `reason`."""
+
+
+class ReceiverPair:
+    """One pair from a sender to this receiver."""
+
+    def __init__(
+        self, pair_id: int, hello: Hello, store: dist.Store, host: str,
+        cuda_device: torch.device | None, config: TransferConfig, handler: PairHandler,
+    ) -> None:
+        self.pair_id = pair_id
+        self.peer = hello.sender
+        self._hello = hello
+        self._store = store
+        self._host = host
+        self._cuda_device = cuda_device
+        self._config = config
+        self._handler = handler
+        self._channel: Channel | None = None
+        self._lock = threading.Lock()
+        self._ended = False
+        self._close_deadline: float | None = None
+        self.last_used = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name=f"kv-recv {self.peer}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def request_close(self, reason: str) -> None:
+        """Ask the sender to close this pair (it answers CLOSE); forced after close_timeout_s."""
+        channel = self._channel
+        with self._lock:
+            if self._ended or self._close_deadline is not None:
+                return
+            self._close_deadline = time.monotonic() + self._config.close_timeout_s
+        try:
+            if channel is not None:
+                channel.send(BACKWARD_TAG, Header(Kind.CLOSE, reason=reason), None,
+                             self._config.close_timeout_s)
+        except ChannelClosed:
+            self.abort()
+
+    @property
+    def closing(self) -> bool:
+        """A close was requested or the pair already ended."""
+        return self._ended or self._close_deadline is not None
+
+    def overdue(self, now: float) -> bool:
+        """True if a requested close was not answered in time."""
+        deadline = self._close_deadline
+        return deadline is not None and now >= deadline and not self._ended
+
+    def abort(self) -> None:
+        """Close the pair now; the receive loop ends and reports the pair down."""
+        with self._lock:
+            self._ended = True
+            channel = self._channel
+        if channel is not None:
+            channel.abort()
+
+    def join(self, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        reason = f"sender {self.peer} closed the pair"
+        try:
+            self._build()
+            while (header := self._next()) is not None:
+                payload = self._payload(header)
+                self.last_used = time.monotonic()
+                self._handler.on_message(self, header, payload)
+        except ProtocolError as exc:
+            reason = f"protocol error from sender {self.peer}, pair closed: {exc}"
+            log.warning("%s", reason)
+        except (ChannelClosed, RuntimeError) as exc:  # RuntimeError: rendezvous failures
+            reason = f"pair to sender {self.peer} broke: {exc}"
+        finally:
+            self.abort()
+            self._handler.on_down(self, reason)
+
+    def _build(self) -> None:
+        channel = build_channel(
+            rendezvous.pair_store(self._store, self.pair_id), RECEIVER_RANK, self._host,
+            self._cuda_device, self._config,
+        )
+        with self._lock:
+            self._channel = channel
+            aborted = self._ended
+        if aborted:  # closed while the rendezvous was running
+            channel.abort()
+            raise ChannelClosed("receiver closed during rendezvous")
+
+    def _next(self) -> Header | None:
+        """The next LAYER/DONE/ABORT header; None when the sender closes the pair."""
+        header = self._channel.recv_header(FORWARD_TAG, self._hello.quiet_limit_s)
+        return None if header.kind is Kind.CLOSE else header
+
+    def _payload(self, header: Header) -> torch.Tensor | None:
+        if header.kind is not Kind.LAYER:
+            return None
+        nbytes = wire.payload_nbytes(header.shape, header.dtype)
+        if nbytes > self._config.max_message_bytes:
+            raise ProtocolError(f"payload of {nbytes} bytes exceeds max_message_bytes")
+        return self._channel.recv_payload(FORWARD_TAG, header, self._config.transfer_timeout_s)

@@ -1,0 +1,64 @@
+"""Counters of one sender or receiver: bytes moved, transfers done/failed and their latency."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from collections import deque
+from typing import Any
+
+_LATENCY_WINDOW = 1024  # recent transfers kept for the latency summary
+
+
+class TransferStats:
+    """Thread-safe counters; `snapshot()` returns the plain dict that `stats()` exposes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._done = 0
+        self._failed = 0
+        self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
+
+    def add_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_sent += nbytes
+
+    def add_received(self, nbytes: int) -> None:
+        with self._lock:
+            self._bytes_received += nbytes
+
+    def record_done(self, latency_s: float) -> None:
+        with self._lock:
+            self._done += 1
+            self._latencies.append(latency_s)
+
+    def record_failed(self) -> None:
+        with self._lock:
+            self._failed += 1
+
+    def snapshot(self, **extra: Any) -> dict[str, Any]:
+        with self._lock:
+            lat = sorted(self._latencies)
+            out: dict[str, Any] = {
+                "bytes_sent": self._bytes_sent,
+                "bytes_received": self._bytes_received,
+                "transfers_done": self._done,
+                "transfers_failed": self._failed,
+                "latency_s": _summary(lat),
+            }
+        out.update(extra)
+        return out
+
+
+def _summary(lat: list[float]) -> dict[str, float | int]:
+    if not lat:
+        return {"count": 0}
+    return {
+        "count": len(lat),
+        "mean": statistics.fmean(lat),
+        "p50": lat[len(lat) // 2],
+        "p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "max": lat[-1],
+    }

@@ -1,0 +1,539 @@
+"""Transfer engine between real processes on loopback (gloo).
+
+The pytest process hosts one side; spawned "agent" processes host the other (a sender or a
+receiver driven by commands over a pipe, msgpack-encoded). Payloads are generated from the
+request id and layer on both sides, so every comparison is exact and bitwise.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import msgpack
+import pytest
+import torch
+import torch.distributed as dist
+
+from kv_store.transfer import (
+    KVReceiver,
+    KVSender,
+    TransferConfig,
+    TransferError,
+    TransferState,
+    wire,
+)
+
+CTX = mp.get_context("spawn")
+NUM_BLOCKS = 48  # blocks in each cache tensor of a receiver
+BLOCK_SHAPE = (2, 2, 16, 8)  # [k/v, kv heads, block size, head dim]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+          "float8_e4m3fn": torch.float8_e4m3fn}
+FAST = {"poll_interval_s": 0.02, "close_timeout_s": 1.0}
+
+
+# ---- deterministic payloads ------------------------------------------------------------------
+
+def make_blocks(rid: str, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(zlib.crc32(rid.encode()))
+    return torch.randperm(NUM_BLOCKS, generator=gen)[:n].tolist()
+
+
+def make_kv(rid: str, layer: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{rid}/{layer}".encode()))
+    return (torch.randn((n, *BLOCK_SHAPE), generator=gen) * 4).to(dtype)
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+# ---- the pytest process's receive sink -------------------------------------------------------
+
+class RecordingSink:
+    """Writes layers into per-(request, layer) byte caches and records every call."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self.events: list[tuple] = []
+        self.caches: dict[tuple[str, int], torch.Tensor] = {}
+
+    def on_layer(self, request_id, layer, block_ids, kv):
+        raw = as_bytes(kv)
+        with self._cv:
+            cache = self.caches.setdefault(
+                (request_id, layer), torch.zeros((NUM_BLOCKS, *raw.shape[1:]), dtype=torch.uint8))
+            cache[block_ids] = raw
+            self.events.append(("layer", request_id, layer))
+            self._cv.notify_all()
+
+    def on_done(self, request_id, meta):
+        self._record(("done", request_id, meta))
+
+    def on_failed(self, request_id, reason):
+        self._record(("failed", request_id, reason))
+
+    def _record(self, event: tuple) -> None:
+        with self._cv:
+            self.events.append(event)
+            self._cv.notify_all()
+
+    def wait_for(self, kind: str, rid: str, timeout: float = 15.0) -> tuple:
+        def found():
+            return next((e for e in self.events if e[0] == kind and e[1] == rid), None)
+        with self._cv:
+            self._cv.wait_for(found, timeout)
+            event = found()
+        assert event is not None, f"no {kind!r} for {rid!r} within {timeout}s: {self.events}"
+        return event
+
+    def kinds(self, rid: str) -> list[str]:
+        with self._cv:
+            return [e[0] for e in self.events if e[1] == rid]
+
+    def assert_exact(self, rid: str, layers: int, n: int, dtype: torch.dtype) -> None:
+        blocks = make_blocks(rid, n)
+        untouched = sorted(set(range(NUM_BLOCKS)) - set(blocks))
+        for layer in range(layers):
+            cache = self.caches[(rid, layer)]
+            assert torch.equal(cache[blocks], as_bytes(make_kv(rid, layer, n, dtype)))
+            assert not cache[untouched].any()
+
+
+# ---- agent processes -------------------------------------------------------------------------
+
+class AgentSink:
+    """Receive sink inside an agent: checks every layer against the expected bytes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.events: list[list] = []
+        self.devices: set[str] = set()
+
+    def on_layer(self, request_id, layer, block_ids, kv):
+        n = len(block_ids)
+        ok = block_ids == make_blocks(request_id, n) and torch.equal(
+            as_bytes(kv.cpu()), as_bytes(make_kv(request_id, layer, n, kv.dtype)))
+        with self.lock:
+            self.devices.add(kv.device.type)
+            self.events.append(["layer", request_id, layer, ok])
+
+    def on_done(self, request_id, meta):
+        with self.lock:
+            self.events.append(["done", request_id, meta])
+
+    def on_failed(self, request_id, reason):
+        with self.lock:
+            self.events.append(["failed", request_id, reason])
+
+
+class AgentState:
+    """What an agent process holds: senders by config, at most one receiver."""
+
+    def __init__(self) -> None:
+        self.senders: dict[bytes, KVSender] = {}
+        self.receiver: KVReceiver | None = None
+        self.sink = AgentSink()
+
+    def sender(self, config: dict) -> KVSender:
+        key = msgpack.packb(sorted(config.items()))
+        if key not in self.senders:
+            self.senders[key] = KVSender(TransferConfig(**config))
+        return self.senders[key]
+
+    def op_send(self, address, rid, layers, n, dtype, meta=None, config=None, abort=None,
+                finish=True, timeout=20.0):
+        sender = self.sender(config or {})
+        for layer in range(layers):
+            sender.send_layer(address, rid, layer, make_blocks(rid, n),
+                              make_kv(rid, layer, n, DTYPES[dtype]))
+        if abort is not None:
+            sender.abort(address, rid, abort)
+        if abort is not None or not finish:
+            return {"state": sender.state(rid).value}
+        try:
+            result = sender.finish(address, rid, meta or {}).result(timeout)
+        except TransferError as exc:
+            return {"state": sender.state(rid).value, "error": str(exc)}
+        return {"state": sender.state(rid).value, "layers": result.layers,
+                "bytes": result.bytes_sent}
+
+    def op_send_interleaved(self, address, rids, layers, n, dtype, timeout=20.0):
+        """Several requests in flight on one pair at once, their layers interleaved."""
+        sender = self.sender({})
+        for layer in range(layers):
+            for rid in rids:
+                sender.send_layer(address, rid, layer, make_blocks(rid, n),
+                                  make_kv(rid, layer, n, DTYPES[dtype]))
+        futures = [sender.finish(address, rid, {"first_token": i}) for i, rid in enumerate(rids)]
+        results = [f.result(timeout) for f in futures]
+        return {"layers": [r.layers for r in results], "bytes": [r.bytes_sent for r in results]}
+
+    def op_receiver_start(self, config=None):
+        if self.receiver is not None:
+            self.receiver.close()
+        self.sink = AgentSink()
+        self.receiver = KVReceiver("127.0.0.1", 0, self.sink, TransferConfig(**(config or {})))
+        self.receiver.start()
+        return {"address": self.receiver.address}
+
+    def op_events(self, kind=None, rid=None, timeout=15.0):
+        end = time.monotonic() + timeout
+        while True:
+            with self.sink.lock:
+                events = list(self.sink.events)
+            if kind is None or any(e[0] == kind and e[1] == rid for e in events):
+                return {"events": events, "found": True}
+            if time.monotonic() > end:
+                return {"events": events, "found": False}
+            time.sleep(0.01)
+
+    def op_receiver_stats(self):
+        return {"stats": self.receiver.stats()}
+
+    def close(self):
+        for sender in self.senders.values():
+            sender.close()
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def _agent_main(conn) -> None:
+    torch.set_num_threads(1)
+    state = AgentState()
+    while True:
+        msg = msgpack.unpackb(conn.recv_bytes())
+        if msg["op"] == "stop":
+            state.close()
+            return
+        try:
+            reply = {"ok": True, **getattr(state, "op_" + msg["op"])(**msg["args"])}
+        except Exception as exc:  # reported to the test, which fails with the message
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        conn.send_bytes(msgpack.packb(reply))
+
+
+class Agent:
+    """Handle on a spawned agent process."""
+
+    def __init__(self) -> None:
+        self.conn, child = CTX.Pipe()
+        self.proc = CTX.Process(target=_agent_main, args=(child,), daemon=True)
+        self.proc.start()
+        self._lock = threading.Lock()
+
+    def call(self, op: str, timeout: float = 60.0, **args) -> dict:
+        with self._lock:
+            self.conn.send_bytes(msgpack.packb({"op": op, "args": args}))
+            assert self.conn.poll(timeout), f"agent did not answer {op} within {timeout}s"
+            reply = msgpack.unpackb(self.conn.recv_bytes())
+        assert reply.pop("ok"), reply["error"]
+        return reply
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(msgpack.packb({"op": "stop", "args": {}}))
+                self.proc.join(10)
+            except (BrokenPipeError, OSError):
+                pass
+        if self.proc.is_alive():
+            self.kill()
+
+
+@pytest.fixture(scope="module")
+def agents():
+    """Two long-lived agents, plus two that a test may kill (all spawned in parallel)."""
+    started = {name: Agent() for name in ("a", "b", "doomed_sender", "doomed_receiver")}
+    yield started
+    for agent in started.values():
+        agent.stop()
+
+
+@pytest.fixture
+def receiver():
+    sink = RecordingSink()
+    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(**FAST))
+    rx.start()
+    rx.sink = sink
+    yield rx
+    rx.close()
+
+
+def pair_threads() -> list[str]:
+    """Live pair threads of this process (send, back-channel and receive loops)."""
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith(("kv-send ", "kv-back ", "kv-recv "))]
+
+
+def wait_until(predicate, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return predicate()
+
+
+# ---- tests -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_round_trip_is_bit_exact(agents, receiver, dtype):
+    layers, n = 4, 5
+    rids = [f"rt-{dtype}-{i}" for i in range(3)]
+    out = agents["a"].call("send_interleaved", address=receiver.address, rids=rids,
+                           layers=layers, n=n, dtype=dtype)
+    nbytes = layers * n * math.prod(BLOCK_SHAPE) * DTYPES[dtype].itemsize
+    assert out == {"layers": [layers] * 3, "bytes": [nbytes] * 3}
+    for i, rid in enumerate(rids):
+        assert receiver.sink.wait_for("done", rid)[2] == {"first_token": i}
+        assert receiver.sink.kinds(rid) == ["layer"] * layers + ["done"]
+        receiver.sink.assert_exact(rid, layers, n, DTYPES[dtype])
+        assert receiver.state(rid) is TransferState.DONE
+    stats = receiver.stats()
+    assert stats["transfers_done"] == 3 and stats["transfers_failed"] == 0
+    assert stats["bytes_received"] == 3 * nbytes
+
+
+def test_two_senders_into_one_receiver_concurrently(agents, receiver):
+    def run(agent: str) -> list[dict]:
+        return [agents[agent].call("send", address=receiver.address, rid=f"two-{agent}-{i}",
+                                   layers=3, n=6, dtype="bfloat16") for i in range(3)]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, ["a", "b"]))
+    assert all(r["state"] == "done" for rs in results for r in rs), results
+    for agent in ("a", "b"):
+        for i in range(3):
+            rid = f"two-{agent}-{i}"
+            receiver.sink.wait_for("done", rid)
+            receiver.sink.assert_exact(rid, 3, 6, torch.bfloat16)
+
+
+def test_one_sender_to_two_receivers(agents):
+    addresses = {name: agents[name].call("receiver_start", config=FAST)["address"]
+                 for name in ("a", "b")}
+    with KVSender(TransferConfig(**FAST)) as sender:
+        futures = {}
+        for i in range(2):
+            for name, address in addresses.items():  # interleave the two receivers
+                rid = f"fan-{name}-{i}"
+                for layer in range(3):
+                    sender.send_layer(address, rid, layer, make_blocks(rid, 4),
+                                      make_kv(rid, layer, 4, torch.float32))
+                futures[rid] = sender.finish(address, rid, {"i": i})
+        for future in futures.values():
+            assert future.result(20).layers == 3
+        assert sender.stats()["pairs_open"] == 2
+    for name in ("a", "b"):
+        for i in range(2):
+            rid = f"fan-{name}-{i}"
+            events = agents[name].call("events", kind="done", rid=rid)["events"]
+            mine = [e for e in events if e[1] == rid]
+            assert mine == [["layer", rid, 0, True], ["layer", rid, 1, True],
+                            ["layer", rid, 2, True], ["done", rid, {"i": i}]]
+
+
+def test_killed_sender_fails_its_transfer_on_the_receiver(agents, receiver):
+    doomed = agents["doomed_sender"]
+    doomed.call("send", address=receiver.address, rid="orphan", layers=2, n=3,
+                dtype="float32", finish=False)
+    assert wait_until(lambda: receiver.sink.kinds("orphan").count("layer") == 2)
+    doomed.kill()
+    reason = receiver.sink.wait_for("failed", "orphan", timeout=5.0)[2]
+    assert "broke" in reason
+    assert "done" not in receiver.sink.kinds("orphan")
+    assert receiver.state("orphan") is TransferState.FAILED
+    assert wait_until(lambda: receiver.stats()["pairs_open"] == 0)
+    assert wait_until(lambda: not pair_threads()), pair_threads()
+
+
+def test_killed_receiver_fails_the_sender_future(agents):
+    doomed = agents["doomed_receiver"]
+    address = doomed.call("receiver_start", config=FAST)["address"]
+    config = TransferConfig(transfer_timeout_s=5.0, **FAST)
+    with KVSender(config) as sender:
+        sender.send_layer(address, "lost", 0, make_blocks("lost", 2),
+                          make_kv("lost", 0, 2, torch.float32))
+        assert doomed.call("events", kind="layer", rid="lost")["found"]
+        doomed.kill()
+        for layer in (1, 2):
+            sender.send_layer(address, "lost", layer, make_blocks("lost", 2),
+                              make_kv("lost", layer, 2, torch.float32))
+        future = sender.finish(address, "lost", {})
+        with pytest.raises(TransferError, match="lost"):
+            future.result(config.transfer_timeout_s + 5)
+        assert sender.state("lost") is TransferState.FAILED
+        assert sender.stats()["transfers_failed"] == 1
+    assert wait_until(lambda: not pair_threads()), pair_threads()
+
+
+def test_abort_fails_the_request_on_the_receiver_without_done(agents, receiver):
+    out = agents["a"].call("send", address=receiver.address, rid="cancelled", layers=2, n=3,
+                           dtype="float32", abort="client cancelled")
+    assert out["state"] == "failed"
+    reason = receiver.sink.wait_for("failed", "cancelled")[2]
+    assert "client cancelled" in reason
+    time.sleep(0.2)  # a DONE, if one were (wrongly) sent, would have arrived by now
+    assert "done" not in receiver.sink.kinds("cancelled")
+    # the pair survives an abort: the next request on it completes
+    out = agents["a"].call("send", address=receiver.address, rid="after-abort", layers=1, n=2,
+                           dtype="float32")
+    assert out["state"] == "done"
+
+
+def test_sink_error_fails_only_that_request(agents, receiver):
+    def on_layer(request_id, layer, block_ids, kv, original=receiver.sink.on_layer):
+        if request_id == "bad-sink" and layer == 1:
+            raise RuntimeError("cache is full")
+        original(request_id, layer, block_ids, kv)
+
+    receiver.sink.on_layer = on_layer
+    agents["a"].call("send", address=receiver.address, rid="bad-sink", layers=3, n=2,
+                     dtype="float32")
+    assert "cache is full" in receiver.sink.wait_for("failed", "bad-sink")[2]
+    assert receiver.sink.kinds("bad-sink") == ["layer", "failed"]
+    out = agents["a"].call("send", address=receiver.address, rid="good-sink", layers=3, n=2,
+                           dtype="float32")
+    assert out["state"] == "done"
+    receiver.sink.wait_for("done", "good-sink")
+
+
+def test_lease_expiry_fails_the_transfer_and_tells_the_receiver(agents):
+    address = agents["b"].call("receiver_start", config=FAST)["address"]
+    with KVSender(TransferConfig(lease_s=0.5, **FAST)) as sender:
+        sender.send_layer(address, "slow", 0, make_blocks("slow", 2),
+                          make_kv("slow", 0, 2, torch.float32))
+        assert wait_until(lambda: sender.state("slow") is TransferState.FAILED, 10)
+        with pytest.raises(TransferError, match="lease"):
+            sender.finish(address, "slow", {}).result(1)
+        assert sender.stats()["transfers_active"] == 0
+    events = agents["b"].call("events", kind="failed", rid="slow")["events"]
+    failed = [e for e in events if e[0] == "failed" and e[1] == "slow"]
+    assert failed and "lease" in failed[0][2]
+
+
+def test_header_with_unknown_version_closes_the_pair(agents, monkeypatch):
+    address = agents["b"].call("receiver_start", config=FAST)["address"]
+    with KVSender(TransferConfig(transfer_timeout_s=5.0, **FAST)) as sender:
+        sender.send_layer(address, "v", 0, make_blocks("v", 2), make_kv("v", 0, 2, torch.float32))
+        assert agents["b"].call("events", kind="layer", rid="v")["found"]
+        monkeypatch.setattr(wire, "VERSION", wire.VERSION + 98)
+        sender.send_layer(address, "v", 1, make_blocks("v", 2), make_kv("v", 1, 2, torch.float32))
+        with pytest.raises(TransferError):
+            sender.finish(address, "v", {}).result(10)
+    events = agents["b"].call("events", kind="failed", rid="v")["events"]
+    failed = [e for e in events if e[0] == "failed" and e[1] == "v"]
+    assert failed and "version" in failed[0][2]
+    assert not any(e[0] == "done" for e in events)
+    assert wait_until(lambda: agents["b"].call("receiver_stats")["stats"]["pairs_open"] == 0)
+
+
+def test_hello_with_unknown_version_is_refused(receiver):
+    host, port = receiver.address.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), None, False, timedelta(seconds=5))
+    pair_id = store.add("pairs/next", 1)
+    store.set(f"pairs/{pair_id}/hello", msgpack.packb({"v": 99, "kind": "hello"}))
+    store.queue_push("pairs/hello", str(pair_id))
+    store.wait([f"pairs/{pair_id}/reply"], timedelta(seconds=5))
+    reply = msgpack.unpackb(store.get(f"pairs/{pair_id}/reply"))
+    assert reply["v"] == wire.VERSION and reply["ok"] is False
+    assert "version 99" in reply["reason"]
+    assert receiver.stats()["pairs_open"] == 0
+
+
+def test_pair_cap_evicts_lru_idle_pair_and_idle_pairs_close(agents):
+    addr_a = agents["a"].call("receiver_start", config=FAST)["address"]
+    addr_b = agents["b"].call("receiver_start", config=FAST)["address"]
+
+    def send(sender, address, rid, finish=True):
+        sender.send_layer(address, rid, 0, make_blocks(rid, 2), make_kv(rid, 0, 2, torch.float32))
+        return sender.finish(address, rid, {}) if finish else None
+
+    with KVSender(TransferConfig(max_pairs=1, idle_timeout_s=0.5, **FAST)) as sender:
+        send(sender, addr_a, "cap-1").result(10)
+        send(sender, addr_b, "cap-2").result(10)  # evicts the idle pair to A
+        assert sender.stats()["pairs_open"] == 1
+        assert wait_until(lambda: agents["a"].call("receiver_stats")["stats"]["pairs_open"] == 0)
+        send(sender, addr_b, "cap-busy", finish=False)  # the only pair is now busy
+        with pytest.raises(TransferError, match="max_pairs"):
+            send(sender, addr_a, "cap-3").result(10)
+        sender.abort(addr_b, "cap-busy", "test")
+        assert wait_until(lambda: sender.stats()["pairs_open"] == 0)  # idle timeout
+        assert wait_until(lambda: agents["b"].call("receiver_stats")["stats"]["pairs_open"] == 0)
+        assert send(sender, addr_a, "cap-4").result(10).layers == 1  # a fresh pair
+    for agent in ("a", "b"):
+        events = agents[agent].call("events")["events"]
+        failed = [e for e in events if e[0] == "failed"]
+        assert failed == ([["failed", "cap-busy", "sender aborted: test"]] if agent == "b" else [])
+
+
+def test_receiver_at_pair_cap_asks_its_lru_idle_pair_to_close(agents):
+    sink = RecordingSink()
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(max_pairs=1, **FAST)) as rx:
+        rx.start()
+        for i, agent in enumerate(["a", "b", "a"]):  # each new sender evicts the previous pair
+            out = agents[agent].call("send", address=rx.address, rid=f"rcap-{i}", layers=2, n=2,
+                                     dtype="float32")
+            assert out["state"] == "done", out
+            sink.wait_for("done", f"rcap-{i}")
+            assert wait_until(lambda: rx.stats()["pairs_open"] == 1)
+        assert not [e for e in sink.events if e[0] == "failed"]
+        assert rx.stats()["transfers_failed"] == 0
+
+
+def test_expected_request_that_never_arrives_fails(receiver):
+    receiver.expect("never", timeout_s=0.3)
+    assert receiver.state("never") is TransferState.PENDING
+    assert "timed out" in receiver.sink.wait_for("failed", "never", timeout=5.0)[2]
+    assert receiver.state("never") is TransferState.FAILED
+
+
+# ---- NCCL (needs two CUDA devices) -----------------------------------------------------------
+
+def _nccl_receiver_main(conn) -> None:
+    torch.cuda.set_device(1)
+    sink = AgentSink()
+    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(**FAST))
+    rx.start()
+    conn.send_bytes(msgpack.packb(rx.address))
+    conn.recv_bytes()  # the test says when to report
+    with sink.lock:
+        conn.send_bytes(msgpack.packb([sink.events, sorted(sink.devices)]))
+    rx.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs two CUDA devices")
+def test_cuda_tensors_travel_over_nccl():
+    conn, child = CTX.Pipe()
+    proc = CTX.Process(target=_nccl_receiver_main, args=(child,), daemon=True)
+    proc.start()
+    try:
+        assert conn.poll(60)
+        address = msgpack.unpackb(conn.recv_bytes())
+        with KVSender(TransferConfig(**FAST)) as sender:
+            for layer in range(3):
+                kv = make_kv("gpu", layer, 4, torch.bfloat16).cuda(0)
+                sender.send_layer(address, "gpu", layer, make_blocks("gpu", 4), kv)
+            assert sender.finish(address, "gpu", {}).result(60).layers == 3
+        conn.send_bytes(b"report")
+        assert conn.poll(30)
+        events, devices = msgpack.unpackb(conn.recv_bytes())
+        assert devices == ["cuda"]  # landed on the GPU: the payload went over NCCL
+        assert [e for e in events if e[0] == "layer"] == [
+            ["layer", "gpu", i, True] for i in range(3)]
+    finally:
+        proc.kill()
+        proc.join(10)
+

@@ -1,0 +1,171 @@
+"""Transfer engine pieces that need no second process: wire codec, state machine, config,
+argument validation."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+import torch
+
+from kv_store.transfer import (
+    KVSender,
+    TransferConfig,
+    TransferState,
+    rendezvous,
+    state,
+    wire,
+)
+from kv_store.transfer.wire import Header, Kind, ProtocolError
+
+ADDRESS = "127.0.0.1:1"
+
+
+@pytest.mark.parametrize("header", [
+    Header(Kind.LAYER, rid="r1", layer=3, blocks=(7, 0, 12), shape=(3, 2, 4, 16, 8),
+           dtype="bfloat16"),
+    Header(Kind.DONE, rid="r1", meta={"first_token": 17, "logprob": -0.5}),
+    Header(Kind.ABORT, rid="r1", reason="client went away"),
+    Header(Kind.CLOSE, reason="idle"),
+])
+def test_header_round_trips(header):
+    assert wire.decode_header(wire.encode_header(header)) == header
+
+
+def test_every_header_carries_the_version():
+    data = wire.encode_header(Header(Kind.CLOSE, reason="x"))
+    assert msgpack.unpackb(data)["v"] == wire.VERSION
+
+
+def test_foreign_version_is_rejected_naming_both_versions():
+    data = msgpack.packb({"v": wire.VERSION + 1, "kind": "close", "reason": ""})
+    with pytest.raises(ProtocolError, match=f"version {wire.VERSION + 1}.*speaks {wire.VERSION}"):
+        wire.decode_header(data)
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"kind": "layer", "rid": "r", "layer": -1, "blocks": [1], "shape": [1], "dtype": "uint8"},
+     "layer"),
+    ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1, 2], "shape": [1, 4],
+      "dtype": "uint8"}, "shape"),
+    ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1], "shape": [1], "dtype": "int64"},
+     "dtype"),
+    ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [-3], "shape": [1], "dtype": "uint8"},
+     "blocks"),
+    ({"kind": "done", "rid": "r", "meta": [1, 2]}, "meta"),
+    ({"kind": "abort", "rid": "", "reason": "x"}, "rid"),
+    ({"kind": "teleport", "rid": "r"}, "kind"),
+])
+def test_malformed_headers_are_rejected_naming_the_field(doc, field):
+    with pytest.raises(ProtocolError, match=field):
+        wire.decode_header(wire.pack(doc))
+
+
+def test_garbage_is_a_protocol_error():
+    with pytest.raises(ProtocolError):
+        wire.decode_header(b"\xc1\xff\x00")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                   torch.float8_e4m3fn, torch.uint8])
+def test_payload_carrier_preserves_bytes(dtype):
+    kv = (torch.randn(3, 2, 2, 4, 8) * 8).to(dtype)
+    name = wire.dtype_name(dtype)
+    carrier = wire.to_carrier(kv)
+    assert carrier.dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.float16)
+    back = wire.from_carrier(carrier.clone(), name)
+    assert back.dtype == dtype and back.shape == kv.shape
+    assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
+    assert wire.payload_nbytes(tuple(kv.shape), name) == kv.numel() * kv.element_size()
+
+
+def test_unsupported_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv dtype"):
+        wire.dtype_name(torch.int64)
+
+
+def test_state_machine_allows_only_the_drawn_edges():
+    S = TransferState
+    legal = {(S.PENDING, S.TRANSFERRING), (S.PENDING, S.FAILED), (S.TRANSFERRING, S.DONE),
+             (S.TRANSFERRING, S.FAILED)}
+    for old in S:
+        for new in S:
+            if (old, new) in legal:
+                state.check_transition(old, new)
+            else:
+                with pytest.raises(ValueError, match="illegal"):
+                    state.check_transition(old, new)
+    assert {s for s in S if s.terminal} == {S.DONE, S.FAILED}
+
+
+def test_history_forgets_the_oldest_first():
+    history = state.History(2)
+    history.add("a", TransferState.DONE)
+    history.add("b", TransferState.FAILED, "why")
+    history.add("c", TransferState.DONE)
+    assert history.get("a") is None
+    assert history.get("b") is TransferState.FAILED and history.reason("b") == "why"
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"backend": "mpi"}, "backend"),
+    ({"lease_s": 0}, "lease_s"),
+    ({"transfer_timeout_s": -1.0}, "transfer_timeout_s"),
+    ({"max_pairs": 0}, "max_pairs"),
+    ({"idle_timeout_s": "5"}, "idle_timeout_s"),
+    ({"cuda_device": -1}, "cuda_device"),
+])
+def test_config_rejects_bad_values_naming_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        TransferConfig(**kwargs)
+
+
+@pytest.mark.parametrize("address", ["nohost", "host:", ":80", "host:0", "host:99999", 5])
+def test_bad_addresses_are_refused(address):
+    with pytest.raises(ValueError, match="address"):
+        rendezvous.parse_address(address)
+
+
+def test_ipv6_address_parses():
+    assert rendezvous.parse_address("[::1]:7000") == ("::1", 7000)
+
+
+@pytest.fixture
+def sender():
+    with KVSender(TransferConfig()) as s:
+        yield s
+
+
+@pytest.mark.parametrize("args, field", [
+    ((ADDRESS, "", 0, [1], torch.zeros(1, 2)), "request_id"),
+    ((ADDRESS, "r", -1, [1], torch.zeros(1, 2)), "layer"),
+    ((ADDRESS, "r", 0, [1, 2], torch.zeros(1, 2)), "block_ids"),
+    ((ADDRESS, "r", 0, [-1], torch.zeros(1, 2)), "block_ids"),
+    ((ADDRESS, "r", 0, ["x"], torch.zeros(1, 2)), "block_ids"),
+    ((ADDRESS, "r", 0, [1], torch.zeros(1, 2, dtype=torch.int32)), "dtype"),
+    (("no-port", "r", 0, [1], torch.zeros(1, 2)), "address"),
+])
+def test_send_layer_validates_its_arguments(sender, args, field):
+    with pytest.raises(ValueError, match=field):
+        sender.send_layer(*args)
+    with pytest.raises(KeyError):
+        sender.state("r")  # nothing was recorded
+
+
+def test_finish_requires_msgpack_meta(sender):
+    with pytest.raises(ValueError, match="meta"):
+        sender.finish(ADDRESS, "r", {"tensor": torch.zeros(1)})
+
+
+def test_closed_sender_refuses_work():
+    s = KVSender(TransferConfig())
+    s.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        s.send_layer(ADDRESS, "r", 0, [1], torch.zeros(1, 2))
+
+
+def test_layer_header_carries_the_head_offset_of_a_slice():
+    from kv_store.transfer.wire import Header, Kind, decode_header, encode_header
+
+    h = Header(Kind.LAYER, rid="r", layer=3, blocks=(4, 5), shape=(2, 2, 1, 16, 8),
+               dtype="float32", head_start=2)
+    assert decode_header(encode_header(h)).head_start == 2
