@@ -11,6 +11,7 @@ open, which makes the workers abort the request and free its blocks.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections.abc import AsyncIterator
@@ -85,10 +86,13 @@ class Flow:
             timings.decode_ready = time.perf_counter()
             if ready is None or ready.WhichOneof("event") != "ready":
                 raise FlowError(grpc.StatusCode.INTERNAL, "decode worker skipped the handshake")
+            watch = None
             if remote:
                 timings.prefill_remote = True
-                yield await self._prefill(rid, req, seed, ready.ready, deadline, timings)
-            async for ev in self._decode_events(events, d):
+                first, watch = await self._prefill(rid, req, seed, ready.ready, deadline,
+                                                   timings)
+                yield first
+            async for ev in self._decode_events(events, d, watch):
                 yield ev
         finally:
             d.inflight -= 1
@@ -96,7 +100,7 @@ class Flow:
 
     async def _prefill(self, rid: str, req: ValidRequest, seed: int,
                        ready: worker_pb.DecodeReady, deadline: float,
-                       timings: FlowTimings) -> TokenEvent:
+                       timings: FlowTimings) -> tuple[TokenEvent, WorkerHandle]:
         p = self._pick_prefill(len(req.prompt_token_ids))
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
                                     skip_blocks=ready.cached_blocks)
@@ -113,12 +117,19 @@ class Flow:
         timings.first_token = time.perf_counter()
         timings.prefill_compute_s = resp.compute_s
         lps = [resp.logprob] if resp.HasField("logprob") else []
-        return TokenEvent([resp.token_id], lps)
+        return TokenEvent([resp.token_id], lps), p
 
-    async def _decode_events(self, events, d: WorkerHandle
+    async def _decode_events(self, events, d: WorkerHandle, watch: WorkerHandle | None
                              ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """D's events. Until the first one, also watch the prefill worker that is streaming
+        the KV: if it leaves its pool, the KV may never come, so fail now, not at a timeout."""
+        first = True
         while True:
-            ev = await self._next(events, d, self.decode)
+            if first and watch is not None:
+                ev = await self._next_or_down(events, d, watch)
+                first = False
+            else:
+                ev = await self._next(events, d, self.decode)
             if ev is None:
                 raise FlowError(grpc.StatusCode.UNAVAILABLE, "decode stream ended early")
             kind = ev.WhichOneof("event")
@@ -129,6 +140,19 @@ class Flow:
                 yield FinishEvent(FINISH_FROM_PB.get(f.reason, "abort"), f.prompt_tokens,
                                   f.completion_tokens, f.cached_tokens)
                 return
+
+    async def _next_or_down(self, events, d: WorkerHandle, p: WorkerHandle):
+        nxt = asyncio.ensure_future(self._next(events, d, self.decode))
+        down = asyncio.ensure_future(p.down.wait())
+        try:
+            await asyncio.wait({nxt, down}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            down.cancel()
+        if nxt.done():
+            return nxt.result()
+        nxt.cancel()
+        raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                        f"prefill worker {p.address} went down before its KV arrived")
 
     async def _next(self, events, worker: WorkerHandle, pool: WorkerPool):
         try:

@@ -29,6 +29,16 @@ class WorkerHandle:
     inflight: int = 0  # requests this router has sent and not yet seen finish
     stats: worker_pb.WorkerStats = field(default_factory=worker_pb.WorkerStats)
     info: worker_pb.WorkerInfo | None = None
+    # Set when the worker leaves its pool; flows that depend on it (a decode worker waiting
+    # for this prefill worker's KV) watch it. Replaced when the worker comes back.
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def set_healthy(self, healthy: bool) -> None:
+        if healthy and not self.healthy:
+            self.down = asyncio.Event()
+        elif not healthy and self.healthy:
+            self.down.set()
+        self.healthy = healthy
 
 
 class WorkerPool:
@@ -73,7 +83,7 @@ class WorkerPool:
         """A call to the worker failed with UNAVAILABLE: stop using it until a poll succeeds."""
         if worker.healthy:
             log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
-        worker.healthy = False
+        worker.set_healthy(False)
         worker.misses = self.max_misses
 
     async def poll_once(self) -> None:
@@ -94,9 +104,9 @@ class WorkerPool:
             if w.misses >= self.max_misses and w.healthy:
                 log.warning("%s worker %s missed %d polls; out of the pool",
                             self.role, w.address, w.misses)
-                w.healthy = False
+                w.set_healthy(False)
             return
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)
         w.misses = 0
-        w.healthy = True
+        w.set_healthy(True)

@@ -7,6 +7,10 @@ import os
 import pytest
 import torch
 
+# Triton picks interpreter vs GPU when a kernel module is first imported: decide it up front.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores are shared by the test process and any workers it starts.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

@@ -86,8 +86,6 @@ def test_decode_worker_killed_mid_stream_fails_requests_fast(tiny_llama, tmp_pat
         with Client(cluster.address, max_retries=3) as client:
             out = client.generate(prompts[0], max_tokens=5, temperature=0.0, timeout=30)
         assert len(out.token_ids) == 5
-        survivors = [c for c in cluster.children if c is not victim]
-        cluster.children = survivors
         assert not any(wait_idle(cluster).values())
     finally:
         cluster.stop()

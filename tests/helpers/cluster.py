@@ -35,6 +35,8 @@ def wait_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> dict[str, int]:
     while time.monotonic() < end:
         used = {}
         for c in cluster.children:
+            if c.proc.poll() is not None:
+                continue  # a worker a test killed
             s = worker_stats(c.info["address"])
             used[c.name] = s.kv_blocks_used + s.num_running + s.num_waiting
         if not any(used.values()):
