@@ -16,12 +16,14 @@ from pdserve.serving.worker_options import WorkerOptions, add_worker_args, optio
 
 
 async def serve(options: WorkerOptions) -> None:
-    engine = LLMEngine(options.engine)
+    engine = LLMEngine(options.engine, tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop)
     receiver = KVReceiver(options.host, options.kv_port, service.sink, TransferConfig())
     receiver.start()
-    service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=1)]
+    size = engine.tp.size
+    service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),
+                         *service.follower_endpoints()]
     loop.start()
     server = await start_server(
         options.host, options.port,
@@ -37,6 +39,7 @@ async def serve(options: WorkerOptions) -> None:
         await server.server.stop(grace=2)
         receiver.close()
         loop.stop()
+        engine.close()
 
     await wait_for_signal(cleanup)
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kv_store.tp_layout import base_request_id
+
 log = logging.getLogger(__name__)
 
 
@@ -69,6 +71,7 @@ class DecodeKVSink:
     def on_layer(self, request_id: str, layer: int, block_ids: list[int],
                  kv: torch.Tensor, head_start: int = 0) -> None:
         """`kv` is [n, 2, heads, block_size, ...] for KV heads head_start.. (global index)."""
+        request_id = base_request_id(request_id)
         with self._lock:
             p = self._pending.get(request_id)
             if p is None:
@@ -94,6 +97,7 @@ class DecodeKVSink:
 
     def on_done(self, request_id: str, meta: dict) -> None:
         """A prefill rank finished sending; the primary's DONE carries the first token."""
+        request_id = base_request_id(request_id)
         with self._lock:
             p = self._pending.get(request_id)
             if p is None:
@@ -103,6 +107,7 @@ class DecodeKVSink:
             self._complete_locked(request_id, p)
 
     def on_failed(self, request_id: str, reason: str) -> None:
+        request_id = base_request_id(request_id)
         with self._lock:
             self._fail_locked(request_id, reason)
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
+from datetime import timedelta
 
 import grpc
 
 from decode_worker.kv_sink import DecodeKVSink
+from decode_worker.tp_follower import endpoint_key, ready_key
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.request import RequestStatus
@@ -41,6 +44,18 @@ class DecodeService(WorkerServicerBase):
         super().__init__(options, loop)
         self.sink = DecodeKVSink(loop.engine.runner.caches, self._kv_ready, self._kv_failed)
         self._failed: dict[str, str] = {}
+        driver = loop.engine.tp_driver
+        self.tp_size = loop.engine.tp.size
+        self.follower_store = driver.group.store if driver is not None else None
+
+    def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
+        """The KV receivers of follower ranks (they publish them in the group's store)."""
+        if self.follower_store is None:
+            return []
+        keys = [endpoint_key(r) for r in range(1, self.tp_size)]
+        self.follower_store.wait(keys, timedelta(seconds=timeout_s))
+        return [worker_pb.KVEndpoint(address=self.follower_store.get(k).decode(), tp_rank=r,
+                                     tp_size=self.tp_size) for r, k in enumerate(keys, 1)]
 
     # -- RPCs ----------------------------------------------------------------------------
     async def Decode(self, request, context):
@@ -63,6 +78,11 @@ class DecodeService(WorkerServicerBase):
                 if out.finished:
                     finished = True
                     error = self._failed.pop(rid, None)
+                    if error is None and not self.loop.alive:
+                        # The engine died (e.g. a tensor-parallel rank is gone): never
+                        # report that as a normal end of the request.
+                        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                            "decode worker's engine stopped")
                     if error is not None:
                         # ABORTED, not UNAVAILABLE: this worker is fine, the request is not.
                         await context.abort(grpc.StatusCode.ABORTED, error)
@@ -90,11 +110,13 @@ class DecodeService(WorkerServicerBase):
                 self.count("local_prefills")
                 return worker_pb.DecodeReady()
             cached, blocks = await self.loop.call(
-                lambda e: _reserve(e, rid, ids, params, seed))
+                lambda e: self._reserve(e, rid, ids, params, seed))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoCapacity as exc:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except RuntimeError as exc:  # the engine (or a tensor-parallel rank) is broken
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"decode engine failed: {exc}")
         self.sink.expect(rid, blocks, cached, KV_TIMEOUT_S)
         self.count("remote_prefills")
         self.count("prefix_hit_blocks", cached)
@@ -103,7 +125,23 @@ class DecodeService(WorkerServicerBase):
 
     async def _abort(self, rid: str) -> bool:
         self.sink.cancel(rid)  # first: no KV write may land after the blocks are freed
-        return await self.loop.call(lambda e: e.abort(rid))
+        try:
+            return await self.loop.call(lambda e: self._release(e, rid))
+        except RuntimeError:
+            return False  # a broken engine has nothing left to release
+
+    def _release(self, engine: LLMEngine, rid: str) -> bool:
+        """End a request on the engine thread; follower ranks drop it first."""
+        if engine.tp_driver is not None and rid in engine.scheduler.requests:
+            engine.tp_driver.call({"op": "cancel", "rid": rid})
+        return engine.abort(rid)
+
+    def _reserve(self, engine: LLMEngine, rid, ids, params, seed) -> tuple[int, list[int]]:
+        cached, blocks = _reserve(engine, rid, ids, params, seed)
+        if engine.tp_driver is not None:
+            engine.tp_driver.call({"op": "expect", "rid": rid, "blocks": blocks,
+                                   "skip": cached, "timeout": KV_TIMEOUT_S})
+        return cached, blocks
 
     # -- KV callbacks (transfer threads) --------------------------------------------------
     def _kv_ready(self, rid: str, meta: dict) -> None:
@@ -111,10 +149,32 @@ class DecodeService(WorkerServicerBase):
             # Time the request waited for KV after the prefill finished: the exposed transfer.
             self.count("kv_exposed_s", max(0.0, time.time() - meta["t_done"]))
             self.count("kv_transfers")
-        self.loop.post(lambda e: self._activate(e, rid, int(meta["token_id"])))
+        token = int(meta["token_id"])
+        if self.follower_store is None:
+            self.loop.post(lambda e: self._activate(e, rid, token))
+            return
+        threading.Thread(target=self._await_followers, args=(rid, token), daemon=True).start()
+
+    def _await_followers(self, rid: str, token: int) -> None:
+        """Rank 0 has its heads; wait for every follower rank's (tensor parallelism)."""
+        keys = [ready_key(rid, r) for r in range(1, self.tp_size)]
+        try:
+            self.follower_store.wait(keys, timedelta(seconds=KV_TIMEOUT_S))
+            states = [self.follower_store.get(k).decode() for k in keys]
+        except RuntimeError as exc:
+            states = [f"fail: {exc}"]
+        for k in keys:
+            self.follower_store.delete_key(k)
+        bad = [s for s in states if s != "ok"]
+        if bad:
+            self._kv_failed(rid, f"a decode rank failed: {bad[0]}")
+        else:
+            self.loop.post(lambda e: self._activate(e, rid, token))
 
     def _kv_failed(self, rid: str, reason: str) -> None:
         def fail(engine: LLMEngine) -> None:
+            if engine.tp_driver is not None and rid in engine.scheduler.requests:
+                engine.tp_driver.call({"op": "cancel", "rid": rid})
             req = engine.scheduler.finish(rid, RequestStatus.FINISHED_ABORTED)
             if req is not None:
                 self._failed[rid] = f"KV transfer failed: {reason}"

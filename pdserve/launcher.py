@@ -31,6 +31,10 @@ class ClusterSpec:
     """0 = split this machine's cores evenly between workers."""
     worker_args: tuple[str, ...] = ()
     """Extra flags for every worker (engine options)."""
+    prefill_tp: int = 1
+    """Tensor-parallel ranks of each prefill worker."""
+    decode_tp: int = 1
+    """Tensor-parallel ranks of each decode worker."""
     router_args: tuple[str, ...] = ()
     """Extra router flags, e.g. ("--http-port", "8080"). Without --http-port, a cluster on any
     free gRPC port (port=0) puts the HTTP API on any free port too, so clusters never collide."""
@@ -76,15 +80,16 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
-        threads = s.threads_per_worker or max(
-            1, (os.cpu_count() or 1) // max(1, s.num_prefill + s.num_decode))
+        ranks = s.num_prefill * s.prefill_tp + s.num_decode * s.decode_tp
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ranks))
         common = ["--model", s.model, "--host", s.host, "--threads", str(threads),
                   *s.worker_args]
         pending = [self._spawn(f"decode-{i}", "decode_worker",
-                               [*common, "--worker-id", f"decode-{i}"])
+                               [*common, "--worker-id", f"decode-{i}", "--tp", str(s.decode_tp)])
                    for i in range(s.num_decode)]
         pending += [self._spawn(f"prefill-{i}", "prefill_worker",
-                                [*common, "--worker-id", f"prefill-{i}"])
+                                [*common, "--worker-id", f"prefill-{i}",
+                                 "--tp", str(s.prefill_tp)])
                     for i in range(s.num_prefill)]
         self.children.extend(pending)
         for child in pending:

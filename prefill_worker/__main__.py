@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 
 from kv_store.transfer import KVSender, TransferConfig
 from pdserve.engine.engine import LLMEngine
@@ -17,9 +18,12 @@ from prefill_worker.service import PrefillService
 
 
 async def serve(options: WorkerOptions) -> None:
-    engine = LLMEngine(options.engine)
+    # A prefill worker samples one token per request: a draft model would never be used.
+    engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
+                       tp_role="prefill")
     sender = KVSender(TransferConfig())
-    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size)
+    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
+                          engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer)
     loop.set_step_fn(service.step)
@@ -35,6 +39,7 @@ async def serve(options: WorkerOptions) -> None:
         await server.set_serving(False)
         await server.server.stop(grace=2)
         loop.stop()
+        engine.close()
         sender.close()
 
     await wait_for_signal(cleanup)

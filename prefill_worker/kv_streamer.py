@@ -1,26 +1,35 @@
 """Streams each layer's freshly computed KV blocks to the decode worker, as soon as the layer
 is done: the transfer of layer L overlaps the compute of layers L+1..N.
 
-Per request we remember the destination (address, block ids) and the first block not yet sent.
-Each step, a chunk covering tokens [s, e) sends blocks from that cursor to the block holding
-token e-1 (a partly filled last block is sent again, complete, by the next chunk). Blocks the
-decode worker already had (`skip`) are never sent; blocks this worker had cached are sent with
-the first chunk, since it never computes them.
+Rank 0 plans, per step, which blocks each request sends (`plan_sends`): from the first block
+not yet sent to the block holding the chunk's last token (a partly filled last block is sent
+again, complete, by the next chunk). Blocks the decode worker already had (`skip`) are never
+sent; blocks this worker had cached go with the first chunk, since it never computes them.
+
+Every rank of a tensor-parallel prefill group runs the same plan on its own KV heads and sends
+each decode rank exactly the heads that rank holds (re-sharding in transit, with `head_start`
+telling the receiver where the slice goes). When KV heads are replicated across ranks, only
+the lowest rank holding a head sends it. The DONE marker with the first token goes to the
+decode group's rank 0; every other (sender, receiver) pair gets an empty DONE.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from kv_store.tp_layout import heads_of, owned_heads, wire_request_id
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.scheduler import StepPlan
+
+Endpoint = tuple[str, int, int]  # (address, tp_rank, tp_size) of a decode-side receiver
 
 
 @dataclass
 class KVTarget:
-    address: str
+    endpoints: list[Endpoint]
     block_ids: list[int]  # destination block of every prompt block
     next_block: int  # first prompt block not yet sent
     bytes_sent: int = 0
@@ -29,60 +38,115 @@ class KVTarget:
 @dataclass(frozen=True)
 class BlockSend:
     request_id: str
-    target: KVTarget
-    src: torch.Tensor  # source block ids in this worker's cache
+    endpoints: list[Endpoint]
+    src: list[int]  # source block ids in this group's caches
     dst: list[int]
+    last: bool  # this step completes the prompt: DONE follows
+
+    def to_wire(self) -> list:
+        return [self.request_id, [list(e) for e in self.endpoints], self.src, self.dst,
+                self.last]
+
+    @classmethod
+    def from_wire(cls, row: list) -> BlockSend:
+        rid, eps, src, dst, last = row
+        return cls(rid, [(str(a), int(r), int(s)) for a, r, s in eps], list(src), list(dst),
+                   bool(last))
 
 
+@dataclass
 class KVStreamer:
-    def __init__(self, sender, caches: list[torch.Tensor], block_size: int) -> None:
-        self.sender = sender
-        self.caches = caches
-        self.block_size = block_size
-        self.targets: dict[str, KVTarget] = {}
-        self.sent_bytes: dict[str, int] = {}  # of finished requests, until collected
+    sender: object  # kv_store.transfer.KVSender
+    caches: list[torch.Tensor]
+    block_size: int
+    num_kv_heads: int  # of the whole model
+    tp_rank: int = 0
+    tp_size: int = 1
+    targets: dict[str, KVTarget] = field(default_factory=dict)  # rank 0's plans
+    sent_to: dict[str, set[str]] = field(default_factory=dict)  # addresses per request
+    sent_bytes: dict[str, int] = field(default_factory=dict)  # of finished requests
+    _ranks: dict[str, int] = field(default_factory=dict)  # decode rank of each address seen
 
-    def add(self, request_id: str, address: str, block_ids: list[int], skip: int) -> None:
-        self.targets[request_id] = KVTarget(address, list(block_ids), skip)
+    def add(self, request_id: str, endpoints: Sequence[Endpoint], block_ids: list[int],
+            skip: int) -> None:
+        self.targets[request_id] = KVTarget(list(endpoints), list(block_ids), skip)
+        self._ranks.update((address, rank) for address, rank, _ in endpoints)
 
     def plan_sends(self, plan: StepPlan) -> list[BlockSend]:
+        """Rank 0: what each scheduled request sends this step (advances the cursors)."""
         sends = []
         for chunk in plan.chunks:
             t = self.targets.get(chunk.request_id)
             if t is None:
                 continue
-            last = (chunk.start + len(chunk.token_ids) - 1) // self.block_size
-            first = t.next_block
-            if last < first:
-                continue
-            src = torch.tensor(chunk.block_ids[first:last + 1], dtype=torch.int64)
-            sends.append(BlockSend(chunk.request_id, t, src, t.block_ids[first:last + 1]))
-            complete = (chunk.start + len(chunk.token_ids)) // self.block_size
-            t.next_block = max(first, complete)
+            end = chunk.start + len(chunk.token_ids)
+            last, first = (end - 1) // self.block_size, t.next_block
+            if last >= first:
+                sends.append(BlockSend(chunk.request_id, t.endpoints,
+                                       chunk.block_ids[first:last + 1],
+                                       t.block_ids[first:last + 1], chunk.num_samples > 0))
+                t.next_block = max(first, end // self.block_size)
         return sends
 
-    def layer_hook(self, sends: list[BlockSend]) -> LayerHook | None:
+    def layer_hook(self, sends: Sequence[BlockSend]) -> LayerHook | None:
         if not sends:
             return None
+        routes = {id(s): self._routes(s.endpoints) for s in sends}
+        local0 = heads_of(self.num_kv_heads, self.tp_rank, self.tp_size).start
 
         def hook(layer: int) -> None:
             cache = self.caches[layer]
             for s in sends:
-                kv = cache.index_select(0, s.src.to(cache.device))  # a copy: safe to reuse src
-                s.target.bytes_sent += kv.numel() * kv.element_size()
-                self.sender.send_layer(s.target.address, s.request_id, layer, s.dst, kv)
+                if not routes[id(s)]:
+                    continue
+                src = torch.tensor(s.src, dtype=torch.int64, device=cache.device)
+                blocks = cache.index_select(0, src)  # a copy: the source may be reused
+                for address, lo, hi in routes[id(s)]:
+                    kv = blocks[:, :, lo - local0:hi - local0]
+                    kv = kv if kv.is_contiguous() else kv.contiguous()
+                    self.sender.send_layer(address, self._wire(s.request_id, address), layer, s.dst,
+                                           kv, head_start=lo)
+                    self.sent_to.setdefault(s.request_id, set()).add(address)
+                    self.sent_bytes[s.request_id] = (self.sent_bytes.get(s.request_id, 0)
+                                                     + kv.numel() * kv.element_size())
 
         return hook
 
+    def _routes(self, endpoints: Sequence[Endpoint]) -> list[tuple[str, int, int]]:
+        """(address, first head, end head) for each decode rank sharing heads with us."""
+        mine = owned_heads(self.num_kv_heads, self.tp_rank, self.tp_size)
+        out = []
+        for address, rank, size in endpoints:
+            theirs = heads_of(self.num_kv_heads, rank, size)
+            lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+            if lo < hi:
+                out.append((address, lo, hi))
+            self._ranks[address] = rank
+        return out
+
     def finish(self, request_id: str, meta: dict):
-        """DONE marker after the request's last layer; returns the sender's future."""
+        """DONE after the request's last layer on every pair it used; the decode group's rank 0
+        gets `meta` (the first token). Returns the future of the DONE to rank 0, if any."""
         t = self.targets.pop(request_id, None)
-        if t is None:
-            return None
-        self.sent_bytes[request_id] = t.bytes_sent
-        return self.sender.finish(t.address, request_id, meta)
+        addresses = self.sent_to.pop(request_id, set())
+        primary = next((a for a, r, _ in t.endpoints if r == 0), None) if t else None
+        if primary is not None:
+            addresses.add(primary)
+        future = None
+        for address in sorted(addresses):
+            f = self.sender.finish(address, self._wire(request_id, address),
+                                   meta if address == primary else {})
+            if address == primary:
+                future = f
+        return future
 
     def abort(self, request_id: str, reason: str) -> None:
         t = self.targets.pop(request_id, None)
-        if t is not None:
-            self.sender.abort(t.address, request_id, reason)
+        addresses = self.sent_to.pop(request_id, set())
+        addresses.update(a for a, _, _ in (t.endpoints if t else []))
+        self.sent_bytes.pop(request_id, None)
+        for address in addresses:
+            self.sender.abort(address, self._wire(request_id, address), reason)
+
+    def _wire(self, request_id: str, address: str) -> str:
+        return wire_request_id(request_id, self.tp_rank, self._ranks.get(address, 0))

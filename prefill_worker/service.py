@@ -46,7 +46,8 @@ class PrefillService(WorkerServicerBase):
             marks = self._marks.get(chunk.request_id)
             if marks is not None and len(marks) == 1:
                 marks.append(t0)
-        sampled, logprobs = engine.execute(plan, self.streamer.layer_hook(sends))
+        extra = {"sends": [s.to_wire() for s in sends]} if engine.tp_driver else None
+        sampled, logprobs = engine.execute(plan, self.streamer.layer_hook(sends), extra)
         t1 = time.perf_counter()
         self.count("step_compute_s", t1 - t0)
         outputs = engine.apply_results(plan, sampled, logprobs)
@@ -93,12 +94,15 @@ class PrefillService(WorkerServicerBase):
         try:
             def admit(engine: LLMEngine) -> None:
                 engine.add_request(rid, ids, first, request.seed)
-                self.streamer.add(rid, target.endpoints[0].address, list(target.block_ids),
-                                  target.skip_blocks)
+                endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
+                             for e in target.endpoints]
+                self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks)
             try:
                 await self.loop.call(admit)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except RuntimeError as exc:  # the engine (or a tensor-parallel rank) is broken
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"prefill engine failed: {exc}")
             out: StepOutput = await stream.get()
             done = True
             if not out.new_token_ids:
@@ -131,7 +135,10 @@ class PrefillService(WorkerServicerBase):
             found = engine.abort(rid)
             self.streamer.abort(rid, "aborted")
             return found
-        return await self.loop.call(run)
+        try:
+            return await self.loop.call(run)
+        except RuntimeError:
+            return False  # a broken engine has nothing left to release
 
     def _kv_bytes(self, rid: str) -> int:
         return self.streamer.sent_bytes.pop(rid, 0)

@@ -185,6 +185,8 @@ def _load(i: int, w: WorkerHandle) -> policy.Load:
 
 def _flow_error(exc: grpc.aio.AioRpcError, worker: WorkerHandle, pool: WorkerPool) -> FlowError:
     code = exc.code()
+    if code == grpc.StatusCode.UNKNOWN:
+        code = grpc.StatusCode.UNAVAILABLE  # an unexpected worker fault: stop using it
     if code == grpc.StatusCode.UNAVAILABLE:
         pool.mark_failed(worker)
     if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):

@@ -10,6 +10,7 @@ from pdserve.serving.convert import params_from_pb
 from pdserve.tokenizer import Tokenizer
 
 MAX_REQUEST_ID = 256
+_ID_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._:-")
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ def validate(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,
              max_model_len: int, model_id: str) -> ValidRequest:
     if len(req.request_id) > MAX_REQUEST_ID:
         raise ValueError(f"request_id is longer than {MAX_REQUEST_ID} characters")
+    if not set(req.request_id) <= _ID_CHARS:
+        raise ValueError("request_id may only contain letters, digits and . _ : -")
     if req.model and req.model != model_id:
         raise ValueError(f"model {req.model!r} is not served here (serving {model_id!r})")
     which = req.WhichOneof("prompt")

@@ -24,16 +24,18 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.kv_format import KVCacheFormat
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SamplingRow, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
+from pdserve.engine.spec import build_speculator, spec_stats_off
 from pdserve.engine.stop import apply_stop_rules
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: ParallelContext = SINGLE,
-                 on_block_event=None) -> None:
+                 on_block_event=None, tp_role: str = "engine") -> None:
         self.config = config
         self.model_dir = Path(config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_dir)
@@ -43,22 +45,44 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 32768)
         self.eos_token_ids = frozenset(_eos_ids(self.model_dir, self.model_config))
-        model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,
-                           self.max_model_len)
-        self.kv_dtype = self.dtype
+        self.tp_driver = None
+        if config.tensor_parallel_size > 1 and tp.size == 1:
+            from pdserve.engine.tp.driver import TPDriver, check_divisible
+
+            check_divisible(self.model_config, config.tensor_parallel_size)
+            # Rank 0 of a new TP group; `tp_role` picks the followers' worker plugin.
+            self.tp_driver = TPDriver(config, self.device, follower_args=("--role", tp_role))
+            tp = self.tp_driver.context
+        self.tp = tp
+        try:
+            model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,
+                               self.max_model_len, quantization=config.quantization)
+        except BaseException:
+            self.close()
+            raise
+        # A layout description; str() of it is the block hash's kv-dtype key.
+        self.kv_dtype = KVCacheFormat.from_config(config.kv_cache_dtype, self.dtype)
         num_blocks = config.num_gpu_blocks or self._auto_num_blocks(model)
         caches = self._allocate_caches(model, num_blocks)
+        if self.tp_driver is not None:
+            self.tp_driver.setup(num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                               on_event=on_block_event)
-        kv = KVCacheManager(self.pool, hash_extra(self.model_id, str(self.kv_dtype),
-                                                  config.block_size))
+        # The hash binds a block to everything that decides its bytes, weight quantisation too.
+        kv_key = f"{self.kv_dtype}|w={config.quantization or 'none'}"
+        kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size))
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
         self.runner = ModelRunner(model, caches, get_backend(config.attention_backend),
-                                  config.block_size, self.device)
+                                  config.block_size, self.device,
+                                  self.tp_driver.step if self.tp_driver else None)
         self._rng = random.Random(config.seed)
         self.vocab_size = self.model_config.vocab_size
+        # Speculative decoding (None when off): drafts are proposed at the end of each step.
+        self.spec = build_speculator(self)
+        if self.spec is not None:
+            self.scheduler.add_release_listener(self.spec.on_release)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -83,6 +107,11 @@ class LLMEngine:
                              f"{bad[:5]}")
         params.validate_for_model(self.vocab_size)
 
+    def close(self) -> None:
+        """Stop the follower ranks of a tensor-parallel engine (no-op otherwise)."""
+        if self.tp_driver is not None:
+            self.tp_driver.close()
+
     def abort(self, request_id: str) -> bool:
         return self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
 
@@ -101,13 +130,16 @@ class LLMEngine:
         sampled, logprobs = self.execute(plan, layer_hook)
         return self.apply_results(plan, sampled, logprobs)
 
-    def execute(self, plan: StepPlan, layer_hook: LayerHook | None = None
+    def execute(self, plan: StepPlan, layer_hook: LayerHook | None = None,
+                tp_extra: dict | None = None
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
-        logits = self.runner.logits(plan.chunks, layer_hook)
+        logits = self.runner.logits(plan.chunks, layer_hook, tp_extra)
         rows, owners = self._sampling_rows(plan.chunks)
         if not rows:
             return {}, {}
+        if self.spec is not None and any(c.spec_token_ids for c in plan.chunks):
+            return self.spec.sample(self.runner.sampler, plan.chunks, logits, rows)
         out = self.runner.sample(logits, rows)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[TokenLogprobs | None]] = {}
@@ -136,6 +168,8 @@ class LLMEngine:
             outputs.append(StepOutput(
                 rid, new, logprobs[rid][:len(new)], reason, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), len(req.output_token_ids)))
+        if self.spec is not None:
+            self.spec.propose(self.scheduler)  # drafts for the next step
         return outputs
 
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk]
@@ -174,15 +208,19 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_cached": self.pool.num_cached,
+            **(self.spec.stats() if self.spec is not None else spec_stats_off()),
         }
 
     # -- setup ---------------------------------------------------------------------------
     def _kv_shape(self, model: torch.nn.Module, num_blocks: int) -> tuple[int, ...]:
         attn = model.layers[0].self_attn
-        return (num_blocks, 2, attn.num_kv_heads, self.config.block_size, attn.head_dim)
+        return (num_blocks, 2, attn.num_kv_heads, self.config.block_size,
+                self.kv_dtype.last_dim(attn.head_dim))
 
     def _auto_num_blocks(self, model: torch.nn.Module) -> int:
-        per_block = torch.Size(self._kv_shape(model, 1)).numel() * self.kv_dtype.itemsize
+        attn = model.layers[0].self_attn
+        per_block = self.kv_dtype.bytes_per_block(attn.num_kv_heads, self.config.block_size,
+                                                  attn.head_dim)
         per_block *= self.model_config.num_layers
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
@@ -194,7 +232,7 @@ class LLMEngine:
 
     def _allocate_caches(self, model: torch.nn.Module, num_blocks: int) -> list[torch.Tensor]:
         shape = self._kv_shape(model, num_blocks)
-        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype.storage_dtype, device=self.device)
                 for _ in range(self.model_config.num_layers)]
 
 def _resolve_device(name: str) -> torch.device:

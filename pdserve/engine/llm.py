@@ -71,6 +71,16 @@ class LLM:
                 self.engine.abort(rid)
         return [r for r in results if r is not None]
 
+    def close(self) -> None:
+        """Release the engine's helper processes (tensor-parallel ranks)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _absorb(self, out, pending: dict[str, _Pending], results: list) -> None:
         st = pending.get(out.request_id)
         if st is None:

@@ -12,6 +12,11 @@ from safetensors import safe_open
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.checkpoint import (
+    adapt_fp8_checkpoint,
+    install_quantization,
+    resolve_quantization,
+)
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -32,13 +37,32 @@ def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+def weight_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """Every tensor's shape, from the file headers only (no tensor data is read)."""
+    shapes: dict[str, list[int]] = {}
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                shapes[name] = list(f.get_slice(name).get_shape())
+    return shapes
+
+
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
-               max_positions: int | None = None) -> torch.nn.Module:
+               max_positions: int | None = None,
+               quantization: str | None = None) -> torch.nn.Module:
+    """Build and load the model; `quantization` ("fp8") quantises its linear layers, and an
+    FP8 checkpoint (quantization_config in config.json) is loaded as FP8 whatever it says."""
     model_dir = Path(model_dir)
+    scheme = resolve_quantization(quantization, model_dir)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
-    loaded = model.load_weights(iter_weights(model_dir))
+        if scheme is not None:  # before loading: FP8 checkpoints load into FP8 parameters
+            install_quantization(model, scheme)
+    weights = iter_weights(model_dir)
+    if scheme is not None and scheme.serialized:
+        weights = adapt_fp8_checkpoint(weights, weight_shapes(model_dir))
+    loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:

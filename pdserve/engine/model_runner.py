@@ -5,7 +5,7 @@ The runner owns the model, the paged KV caches and the sampler; it knows nothing
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -58,18 +58,25 @@ def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor],
-                 backend: AttentionBackend, block_size: int, device: torch.device) -> None:
+                 backend: AttentionBackend, block_size: int, device: torch.device,
+                 before_forward: Callable[[Sequence[ScheduledChunk], dict | None], None]
+                 | None = None) -> None:
         self.model = model
         self.caches = caches
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = Sampler()
+        # Tensor parallelism: rank 0 broadcasts each step to the follower ranks first.
+        self.before_forward = before_forward
 
     @torch.inference_mode()
-    def logits(self, chunks: Sequence[ScheduledChunk],
-               layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """Run the forward for a plan; fp32 logits of every sampled position, in plan order."""
+    def logits(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
+               tp_extra: dict | None = None) -> torch.Tensor:
+        """Run the forward for a plan; fp32 logits of every sampled position, in plan order.
+        `tp_extra` travels to the follower ranks with the step (e.g. KV sends)."""
+        if self.before_forward is not None:
+            self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
         hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
                             self.backend, layer_hook)

@@ -1,7 +1,9 @@
 """The tensor-parallel group a model shard belongs to.
 
 Passed explicitly to every TP-aware layer (no process-global state). With `size == 1` every
-collective is the identity, so the single-process engine is just the degenerate case.
+collective is the identity, so the single-process engine is just the degenerate case. The
+collectives call the process group object directly, so no default (global) process group is
+ever needed.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -28,15 +29,16 @@ class ParallelContext:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate each rank's shard along the last dimension, in rank order."""
         if self.size == 1:
             return x
+        x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.group.allgather([parts], [x]).wait()
         return torch.cat(parts, dim=-1)
 
 

@@ -16,7 +16,7 @@ Policy, in order:
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_manager import KVCacheManager
@@ -70,6 +70,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._release_listeners: list[Callable[[Request], None]] = []
+
+    def add_release_listener(self, fn: Callable[[Request], None]) -> None:
+        """Call `fn(req)` whenever a request gives its blocks back: finished (any reason) or
+        preempted (`req.status` is then WAITING). Lets a drafter drop its per-request state."""
+        self._release_listeners.append(fn)
 
     # -- queue management ----------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -95,6 +101,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         self.kv.release(req)
+        for fn in self._release_listeners:
+            fn(req)
         return req
 
     @property
@@ -189,6 +197,8 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
         self.waiting.appendleft(req)
+        for fn in self._release_listeners:
+            fn(req)
 
     # -- results -------------------------------------------------------------------------
     def update(

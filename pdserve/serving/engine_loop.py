@@ -97,6 +97,10 @@ class EngineLoop:
             log.exception("engine loop died")
             self.failure = exc
             self._loop.call_soon_threadsafe(self._fail_all)
+            # Never step again, but keep answering calls (they fail or finish fast), so no
+            # caller waits forever on a future.
+            while not self._stop.is_set():
+                self._drain_commands(block=True)
 
     def _drain_commands(self, block: bool) -> None:
         try:

@@ -8,6 +8,7 @@ can bind port 0 and no port is ever guessed.
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import logging
 import signal
@@ -47,7 +48,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_blocks_total=int(stats["kv_blocks_total"]),
             kv_blocks_used=int(stats["kv_blocks_used"]),
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
-            counters={**self.counters, "engine_steps": float(self.loop.steps)})
+            counters={**self.counters, "engine_steps": float(self.loop.steps),
+                      **{k: float(v) for k, v in stats.items() if k.startswith("spec_")}})
 
     async def GetInfo(self, request, context):
         e = self.loop.engine
@@ -66,6 +68,8 @@ def announce_ready(info: dict) -> None:
 
 
 def configure_process(options: WorkerOptions) -> None:
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s {options.worker_id} %(levelname)s %(message)s")
     if options.threads > 0:

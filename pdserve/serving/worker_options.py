@@ -49,6 +49,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
     p.add_argument("--model-id", default="")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
 
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
@@ -59,7 +60,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         attention_backend=a.attention_backend, quantization=a.quantization,
-        kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id)
+        kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
+        tensor_parallel_size=a.tp)
     worker_id = a.worker_id or f"{role}-{os.getpid()}"
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.backend import AttentionBackend
+from pdserve.engine.quant.kv_fp8 import is_packed_fp8, pack_fp8, unpack_fp8
 
 
 def head_major(cache: torch.Tensor) -> torch.Tensor:
@@ -23,13 +24,28 @@ def head_major(cache: torch.Tensor) -> torch.Tensor:
     return cache.permute(1, 2, 0, 3, 4)
 
 
-def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of one request as [KVH, length, D] from its block ids."""
+def read_kv(stored: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """Cache rows as `dtype` (None: as stored); packed FP8 rows are dequantised."""
+    if is_packed_fp8(stored):
+        return unpack_fp8(stored, dtype or torch.float32)
+    return stored if dtype is None else stored.to(dtype)
+
+
+def gather_context(cache: torch.Tensor, blocks: torch.Tensor, length: int,
+                   dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of one request as [KVH, length, D] from its block ids, read as `dtype`."""
     kv = head_major(cache)[:, :, blocks]  # [2, KVH, nb, bs, D], contiguous
     two, kvh, nb, bs, d = kv.shape
-    kv = kv.reshape(two, kvh, nb * bs, d)[:, :, :length]
+    kv = read_kv(kv.reshape(two, kvh, nb * bs, d)[:, :, :length], dtype)
     return kv[0], kv[1]
+
+
+def gather_batch(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype | None = None
+                 ) -> torch.Tensor:
+    """K and V of a batch as [2, KVH, B, nb * bs, D] from block tables [B, nb]."""
+    kv = head_major(cache)[:, :, tables]  # [2, KVH, B, nb, bs, D]
+    two, kvh, b, nb, bs, d = kv.shape
+    return read_kv(kv.reshape(two, kvh, b, nb * bs, d), dtype)
 
 
 def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.Tensor:
@@ -49,6 +65,8 @@ class TorchAttention(AttentionBackend):
         bs = cache.shape[3]
         slots = meta.slot_mapping
         blocks, offsets = slots // bs, slots % bs
+        if is_packed_fp8(cache):  # E4M3 with a scale per (token, head), in the same row
+            k, v = pack_fp8(k), pack_fp8(v)
         cache[blocks, 0, :, offsets] = k.to(cache.dtype)
         cache[blocks, 1, :, offsets] = v.to(cache.dtype)
 
@@ -72,9 +90,8 @@ class TorchAttention(AttentionBackend):
     def _prefill(self, q, cache, table, ctx, scale, window):
         q_len, h, d = q.shape
         nb = -(-ctx // cache.shape[3])
-        k, v = gather_context(cache, table[:nb], ctx)
+        k, v = gather_context(cache, table[:nb], ctx, q.dtype)
         kvh = k.shape[0]
-        k, v = k.to(q.dtype), v.to(q.dtype)
         if q_len == ctx and window is None:  # a fresh prompt: the fast causal kernel
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
                                                scale=scale, enable_gqa=True)
@@ -91,9 +108,8 @@ class TorchAttention(AttentionBackend):
         lens = meta.seq_lens_t[seqs] if len(seqs) != meta.num_seqs else meta.seq_lens_t
         tables = meta.block_tables[seqs] if len(seqs) != meta.num_seqs else meta.block_tables
         nb = -(-max(meta.seq_lens[i] for i in seqs) // bs)
-        kv = head_major(cache)[:, :, tables[:, :nb]]  # [2, KVH, B, nb, bs, D]
-        two, kvh, b, _, _, d = kv.shape
-        kv = kv.reshape(two, kvh, b, nb * bs, d).to(q.dtype)
+        kv = gather_batch(cache, tables[:, :nb], q.dtype)  # [2, KVH, B, nb * bs, D]
+        _, kvh, b, _, d = kv.shape
         g = q.shape[1] // kvh
         # KV heads play SDPA's batch role and requests its head role: no copy of K or V.
         qg = q.view(b, kvh, g, d).transpose(0, 1)  # [KVH, B, G, D]

@@ -126,8 +126,10 @@ class RowParallelLinear(LinearBase):
         super().__init__(in_features // tp.size, out_features, bias, dtype, tp)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if param is self.bias:
-            param.data.copy_(loaded)  # added once, after the reduction
+        if param is not self.weight:
+            # Per-output-row tensors (the bias, added once after the reduction; FP8
+            # weight scales) are not split: every rank holds all output rows.
+            param.data.copy_(loaded)
             return
         cols = loaded.shape[1] // self.tp.size
         param.data.copy_(loaded.narrow(1, self.tp.rank * cols, cols))

@@ -1,0 +1,94 @@
+"""Rank 0's side of a tensor-parallel engine: starts the follower processes, forms the group,
+and broadcasts every step before running its own share of the forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.parallel import ParallelContext
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.tp.group import TPGroup, join_group, listen_store
+from pdserve.engine.tp.protocol import broadcast_message, encode_chunks
+
+JOIN_TIMEOUT_S = 300.0
+
+
+def check_divisible(cfg: ModelConfig, size: int) -> None:
+    """Refuse a TP degree the model cannot be split over, before any process starts.
+    KV heads may be fewer than ranks (they are then replicated) if they divide the degree."""
+    if cfg.num_heads % size:
+        raise ValueError(f"{cfg.num_heads} attention heads do not split over TP={size}")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        raise ValueError(f"{cfg.num_kv_heads} KV heads neither split nor replicate over TP={size}")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"intermediate size {cfg.intermediate_size} does not split over "
+                         f"TP={size}")
+
+
+class TPDriver:
+    def __init__(self, config: EngineConfig, device: torch.device, host: str = "127.0.0.1",
+                 follower_args: Sequence[str] = ()) -> None:
+        size = config.tensor_parallel_size
+        store, port = listen_store(host, JOIN_TIMEOUT_S)
+        cfg = json.dumps(dataclasses.asdict(config))
+        threads = str(max(1, torch.get_num_threads()))
+        self.followers = [
+            subprocess.Popen([sys.executable, "-m", "pdserve.engine.tp.follower",
+                              "--rank", str(r), "--size", str(size), "--host", host,
+                              "--store-port", str(port), "--config", cfg, "--threads", threads,
+                              *follower_args],
+                             env={**os.environ, "PDSERVE_TP_PARENT": str(os.getpid())})
+            for r in range(1, size)]
+        try:
+            self.group: TPGroup = join_group(store, 0, size, host, device, JOIN_TIMEOUT_S)
+        except BaseException:
+            self.close()
+            raise
+        self._closed = False
+
+    @property
+    def context(self) -> ParallelContext:
+        return self.group.context
+
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.followers)
+
+    def setup(self, num_blocks: int) -> None:
+        self._send({"op": "setup", "num_blocks": num_blocks})
+
+    def step(self, chunks: Sequence[ScheduledChunk], extra: dict | None = None) -> None:
+        """Called by the model runner right before rank 0's forward."""
+        self._send({"op": "step", "chunks": encode_chunks(chunks), "extra": extra or {}})
+
+    def call(self, message: dict) -> None:
+        """Deliver a role message (e.g. a KV expectation) to every follower and wait until
+        each has handled it: a barrier follows the broadcast."""
+        self._send(message)
+        self.group.control.barrier().wait()
+
+    def close(self) -> None:
+        if getattr(self, "_closed", True) is False:
+            self._closed = True
+            try:
+                if self.alive():
+                    self._send({"op": "stop"})
+            except RuntimeError:
+                pass  # a follower already died; the processes are reaped below
+        for p in self.followers:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _send(self, message: dict) -> None:
+        broadcast_message(self.group.control, message, 0)

@@ -1,0 +1,51 @@
+"""Messages from rank 0 to the follower ranks: msgpack, versioned, broadcast as bytes.
+
+    {"v": VERSION, "op": "setup", "num_blocks": int}
+    {"v": VERSION, "op": "step", "chunks": [[token_ids, start, block_ids, num_samples], ...],
+                               "extra": {...}}   # e.g. the prefill worker's KV sends
+    {"v": VERSION, "op": "stop"}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from pdserve.engine.scheduler import ScheduledChunk
+
+# History: 1 - setup / step / stop.
+VERSION = 1
+
+
+def encode_chunks(chunks: Sequence[ScheduledChunk]) -> list[list[Any]]:
+    return [[c.token_ids, c.start, c.block_ids, c.num_samples] for c in chunks]
+
+
+def decode_chunks(rows: list[list[Any]]) -> list[ScheduledChunk]:
+    return [ScheduledChunk("", list(t), int(s), list(b), int(n)) for t, s, b, n in rows]
+
+
+def broadcast_message(group: dist.ProcessGroup, message: dict | None, rank: int) -> dict:
+    """Rank 0 passes `message`; every rank returns it. Two broadcasts: length, then bytes."""
+    if rank == 0:
+        assert message is not None
+        payload = msgpack.packb({"v": VERSION, **message}, use_bin_type=True)
+        size = torch.tensor([len(payload)], dtype=torch.int64)
+    else:
+        size = torch.zeros(1, dtype=torch.int64)
+    group.broadcast(size, 0).wait()
+    if rank == 0:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+    group.broadcast(data, 0).wait()
+    if rank == 0:
+        return {"v": VERSION, **message}
+    decoded = msgpack.unpackb(data.numpy().tobytes(), raw=False)
+    if decoded.get("v") != VERSION:
+        raise RuntimeError(f"tp message version {decoded.get('v')} != {VERSION}")
+    return decoded

@@ -1,0 +1,29 @@
+"""The prefill role on a follower rank: send this rank's KV heads of each step's blocks."""
+
+from __future__ import annotations
+
+from kv_store.transfer import KVSender, TransferConfig
+from pdserve.engine.tp.follower import FollowerPlugin
+from prefill_worker.kv_streamer import BlockSend, KVStreamer
+
+
+class PrefillFollower(FollowerPlugin):
+    def __init__(self, engine, group, host: str) -> None:
+        super().__init__(engine, group, host)
+        self.sender = KVSender(TransferConfig())
+        ctx = group.context
+        self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
+                                   engine.model_config.num_kv_heads, ctx.rank, ctx.size)
+
+    def before_step(self, extra: dict):
+        self._sends = [BlockSend.from_wire(row) for row in extra.get("sends", ())]
+        return self.streamer.layer_hook(self._sends)
+
+    def after_step(self, extra: dict) -> None:
+        for s in self._sends:
+            if s.last:  # the prompt is complete: close this rank's pairs for the request
+                self.streamer.finish(s.request_id, {})
+                self.streamer.sent_bytes.pop(s.request_id, None)
+
+    def close(self) -> None:
+        self.sender.close()
