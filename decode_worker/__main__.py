@@ -6,6 +6,7 @@ import argparse
 import asyncio
 
 from decode_worker.service import DecodeService, expire_loop
+from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVReceiver, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb, worker_pb_grpc
@@ -16,9 +17,11 @@ from pdserve.serving.worker_options import WorkerOptions, add_worker_args, optio
 
 
 async def serve(options: WorkerOptions) -> None:
-    engine = LLMEngine(options.engine, tp_role="decode")
+    recorder = BlockRecorder(options.worker_id)
+    engine = LLMEngine(options.engine, on_block_event=recorder.on_block_event,
+                       tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
-    service = DecodeService(options, loop)
+    service = DecodeService(options, loop, recorder)
     receiver = KVReceiver(options.host, options.kv_port, service.sink, TransferConfig())
     receiver.start()
     size = engine.tp.size

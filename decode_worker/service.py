@@ -40,8 +40,8 @@ class NoCapacity(Exception):
 
 
 class DecodeService(WorkerServicerBase):
-    def __init__(self, options: WorkerOptions, loop: EngineLoop) -> None:
-        super().__init__(options, loop)
+    def __init__(self, options: WorkerOptions, loop: EngineLoop, recorder=None) -> None:
+        super().__init__(options, loop, recorder)
         self.sink = DecodeKVSink(loop.engine.runner.caches, self._kv_ready, self._kv_failed)
         self._failed: dict[str, str] = {}
         driver = loop.engine.tp_driver

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import dataclasses
 
+from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVSender, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb, worker_pb_grpc
@@ -19,13 +20,14 @@ from prefill_worker.service import PrefillService
 
 async def serve(options: WorkerOptions) -> None:
     # A prefill worker samples one token per request: a draft model would never be used.
+    recorder = BlockRecorder(options.worker_id)
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
-                       tp_role="prefill")
+                       on_block_event=recorder.on_block_event, tp_role="prefill")
     sender = KVSender(TransferConfig())
     streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
-    service = PrefillService(options, loop, streamer)
+    service = PrefillService(options, loop, streamer, recorder)
     loop.set_step_fn(service.step)
     loop.start()
     server = await start_server(

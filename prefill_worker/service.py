@@ -29,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class PrefillService(WorkerServicerBase):
-    def __init__(self, options: WorkerOptions, loop: EngineLoop, streamer: KVStreamer) -> None:
-        super().__init__(options, loop)
+    def __init__(self, options: WorkerOptions, loop: EngineLoop, streamer: KVStreamer,
+                 recorder=None) -> None:
+        super().__init__(options, loop, recorder)
         self.streamer = streamer
         # perf_counter marks per request: arrival, first scheduled, first token (TTFT parts).
         self._marks: dict[str, list[float]] = {}

@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+from kv_store.index.prefix import PrefixIndex
 from pdserve.engine.model_config import ModelConfig
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
@@ -28,8 +29,9 @@ log = logging.getLogger("router")
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
-    prefill = WorkerPool("prefill", cfg.prefill, cfg.health_period_s, cfg.health_misses)
-    decode = WorkerPool("decode", cfg.decode, cfg.health_period_s, cfg.health_misses)
+    prefix = PrefixIndex()  # one view of every worker's cached blocks, fed by their stats
+    prefill = WorkerPool("prefill", cfg.prefill, cfg.health_period_s, cfg.health_misses, prefix)
+    decode = WorkerPool("decode", cfg.decode, cfg.health_period_s, cfg.health_misses, prefix)
     await asyncio.gather(prefill.start(), decode.start())
     await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
     infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kv_store.index.prefix import PrefixMatch
+from pdserve.block_hash import chain_hashes
 from pdserve.proto import pb, worker_pb
 from pdserve.serving.convert import FINISH_FROM_PB, params_to_pb
 from router import policy
@@ -72,8 +74,11 @@ class Flow:
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
-        d = self._pick_decode()
-        remote = policy.prefill_remotely(len(req.prompt_token_ids), 0,
+        matches = self._matches(req.prompt_token_ids)
+        d = self._pick_decode(matches)
+        d_cached = matches[d.address].blocks if d.address in matches else 0
+        remote = policy.prefill_remotely(len(req.prompt_token_ids),
+                                         d_cached * self._block_size(),
                                          self.local_prefill_tokens, bool(self.prefill.healthy()))
         call = d.stub.Decode(worker_pb.DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids,
@@ -90,7 +95,7 @@ class Flow:
             if remote:
                 timings.prefill_remote = True
                 first, watch = await self._prefill(rid, req, seed, ready.ready, deadline,
-                                                   timings)
+                                                   timings, matches)
                 yield first
             async for ev in self._decode_events(events, d, watch):
                 yield ev
@@ -100,8 +105,9 @@ class Flow:
 
     async def _prefill(self, rid: str, req: ValidRequest, seed: int,
                        ready: worker_pb.DecodeReady, deadline: float,
-                       timings: FlowTimings) -> tuple[TokenEvent, WorkerHandle]:
-        p = self._pick_prefill(len(req.prompt_token_ids))
+                       timings: FlowTimings, matches: dict
+                       ) -> tuple[TokenEvent, WorkerHandle]:
+        p = self._pick_prefill(len(req.prompt_token_ids), matches)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
                                     skip_blocks=ready.cached_blocks)
         p.inflight += 1
@@ -162,25 +168,41 @@ class Flow:
         except grpc.aio.AioRpcError as exc:
             raise _flow_error(exc, worker, pool) from None
 
-    def _pick_decode(self) -> WorkerHandle:
+    def _block_size(self) -> int:
+        info = next((w.info for w in self.decode.workers if w.info is not None), None)
+        return info.block_size if info is not None and info.block_size else 16
+
+    def _matches(self, prompt: list[int]) -> dict[str, PrefixMatch]:
+        """Leading blocks of the prompt each worker holds, per the KV index (a hint)."""
+        info = next((w.info for w in self.decode.workers if w.info is not None), None)
+        if info is None or not info.hash_extra:
+            return {}
+        hashes = chain_hashes(prompt, info.block_size, info.hash_extra)
+        return self.decode.prefix.match(hashes) if hashes else {}
+
+    def _pick_decode(self, matches: dict[str, PrefixMatch]) -> WorkerHandle:
         healthy = self.decode.healthy()
-        i = policy.pick_decode([_load(i, w) for i, w in enumerate(healthy)])
+        i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(healthy)])
         if i is None:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         return healthy[i]
 
-    def _pick_prefill(self, prompt_tokens: int) -> WorkerHandle:
+    def _pick_prefill(self, prompt_tokens: int, matches: dict[str, PrefixMatch]
+                      ) -> WorkerHandle:
         healthy = self.prefill.healthy()
-        i = policy.pick_prefill([_load(i, w) for i, w in enumerate(healthy)], prompt_tokens)
+        i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(healthy)],
+                                prompt_tokens, self._block_size())
         if i is None:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         return healthy[i]
 
 
-def _load(i: int, w: WorkerHandle) -> policy.Load:
+def _load(i: int, w: WorkerHandle, matches: dict[str, PrefixMatch]) -> policy.Load:
     s = w.stats
+    m = matches.get(w.address)
+    cached = policy.weighted_blocks(m.leading) if m is not None else 0.0
     return policy.Load(i, int(s.queued_prefill_tokens), int(s.kv_blocks_used),
-                       int(s.kv_blocks_total), w.inflight)
+                       int(s.kv_blocks_total), w.inflight, cached)
 
 
 def _flow_error(exc: grpc.aio.AioRpcError, worker: WorkerHandle, pool: WorkerPool) -> FlowError:

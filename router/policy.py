@@ -1,14 +1,26 @@
-"""Choosing workers: pure functions over load figures, no I/O (tested without processes).
+"""Choosing workers: pure functions over load and cache figures, no I/O.
 
-Load of a decode worker: KV blocks in use plus a per-request share for requests this router has
-in flight there (stats lag by up to one poll). Load of a prefill worker: prompt tokens queued
-plus the tokens this router has sent it and not yet seen answered.
+Decode: the least loaded worker by KV usage (blocks used + an allowance per request this router
+has in flight there, over capacity), except that among workers within `max_imbalance` of the
+least loaded, the one already holding the longest prefix of the prompt wins (multi-turn
+conversations return to the worker that has their earlier turns).
+
+Prefill: the least work, in tokens: the prompt tokens still to compute after the worker's
+cached prefix, plus the tokens queued there. Workers whose queue is more than
+`max_imbalance_tokens` above the shortest queue are not considered, so a popular prefix never
+piles every request onto one worker.
+
+`cached_blocks` are tier-weighted: a block in a slower tier counts for less than one computed
+in place (`TIER_WEIGHTS`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+# Worth of a cached block by tier (device, host, SSD), relative to not recomputing it at all.
+TIER_WEIGHTS = (1.0, 0.7, 0.4)
 
 
 @dataclass(frozen=True)
@@ -18,26 +30,47 @@ class Load:
     used_blocks: int
     total_blocks: int
     inflight: int
+    cached_blocks: float = 0.0  # leading prompt blocks held (tier-weighted)
 
 
-def pick_decode(loads: Sequence[Load], blocks_per_request: int = 8) -> int | None:
-    """Least loaded decode worker by KV usage (fraction of its cache), ties by index."""
+def _usage(ld: Load, blocks_per_request: int) -> float:
+    return (ld.used_blocks + ld.inflight * blocks_per_request) / max(ld.total_blocks, 1)
+
+
+def pick_decode(loads: Sequence[Load], blocks_per_request: int = 8,
+                max_imbalance: float = 0.25) -> int | None:
+    if not loads:
+        return None
+    floor = min(_usage(ld, blocks_per_request) for ld in loads)
+    eligible = [ld for ld in loads if _usage(ld, blocks_per_request) <= floor + max_imbalance]
+    return min(eligible, key=lambda ld: (-ld.cached_blocks, _usage(ld, blocks_per_request),
+                                         ld.inflight, ld.index)).index
+
+
+def pick_prefill(loads: Sequence[Load], prompt_tokens: int, block_size: int = 16,
+                 max_imbalance_tokens: int = 4096) -> int | None:
     if not loads:
         return None
 
-    def cost(ld: Load) -> float:
-        used = ld.used_blocks + ld.inflight * blocks_per_request
-        return used / max(ld.total_blocks, 1)
+    def queue(ld: Load) -> int:
+        return ld.queued_tokens + ld.inflight * prompt_tokens
 
-    return min(loads, key=lambda ld: (cost(ld), ld.inflight, ld.index)).index
+    def work(ld: Load) -> float:
+        return max(prompt_tokens - ld.cached_blocks * block_size, 1.0) + queue(ld)
+
+    floor = min(queue(ld) for ld in loads)
+    eligible = [ld for ld in loads if queue(ld) <= floor + max_imbalance_tokens]
+    return min(eligible, key=lambda ld: (work(ld), ld.index)).index
 
 
-def pick_prefill(loads: Sequence[Load], prompt_tokens: int) -> int | None:
-    """Prefill worker with the least queued work (tokens), ties by index."""
-    if not loads:
-        return None
-    return min(loads, key=lambda ld: (ld.queued_tokens + ld.inflight * prompt_tokens,
-                                      ld.index)).index
+def weighted_blocks(leading_by_tier: Sequence[int]) -> float:
+    """Tier-weighted count of leading blocks from `PrefixMatch.leading`-style cumulative
+    counts (blocks in tier t or faster)."""
+    total, prev = 0.0, 0
+    for weight, upto in zip(TIER_WEIGHTS, leading_by_tier, strict=False):
+        total += weight * (upto - prev)
+        prev = upto
+    return total
 
 
 def prefill_remotely(prompt_tokens: int, cached_tokens: int, threshold: int,

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kv_store.index.events import BlockRemoved, BlockStored, EventCodecError, decode_batch
+from kv_store.index.prefix import PrefixIndex
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.grpc_server import MAX_MESSAGE_BYTES
 
@@ -32,18 +34,20 @@ class WorkerHandle:
     # Set when the worker leaves its pool; flows that depend on it (a decode worker waiting
     # for this prefill worker's KV) watch it. Replaced when the worker comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
+    needs_snapshot: bool = True  # resync its KV index entries on the next poll
 
     def set_healthy(self, healthy: bool) -> None:
         if healthy and not self.healthy:
             self.down = asyncio.Event()
         elif not healthy and self.healthy:
             self.down.set()
+            self.needs_snapshot = True
         self.healthy = healthy
 
 
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
-                 max_misses: int) -> None:
+                 max_misses: int, prefix: PrefixIndex | None = None) -> None:
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.role = role
@@ -54,6 +58,9 @@ class WorkerPool:
                                              worker_pb_grpc.WorkerStub(channel)))
         self.period_s = period_s
         self.max_misses = max_misses
+        # Which prompt blocks each worker holds, fed by the events in its stats (a hint:
+        # workers check every hit themselves). Shared by the router's pools.
+        self.prefix = prefix if prefix is not None else PrefixIndex()
         self._task: asyncio.Task | None = None
 
     def healthy(self) -> list[WorkerHandle]:
@@ -85,6 +92,7 @@ class WorkerPool:
             log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
         worker.set_healthy(False)
         worker.misses = self.max_misses
+        self.prefix.clear_worker(worker.address)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
@@ -98,15 +106,38 @@ class WorkerPool:
         try:
             if w.info is None:
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
-            w.stats = await w.stub.GetStats(worker_pb.StatsRequest(), timeout=self.period_s)
+            snapshot = w.needs_snapshot
+            stats = await w.stub.GetStats(worker_pb.StatsRequest(kv_snapshot=snapshot),
+                                          timeout=self.period_s)
         except grpc.aio.AioRpcError:
             w.misses += 1
             if w.misses >= self.max_misses and w.healthy:
                 log.warning("%s worker %s missed %d polls; out of the pool",
                             self.role, w.address, w.misses)
                 w.set_healthy(False)
+                self.prefix.clear_worker(w.address)
             return
+        w.stats = stats
+        self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)
         w.misses = 0
         w.set_healthy(True)
+
+    def _apply_kv_events(self, w: WorkerHandle, data: bytes, snapshot: bool) -> None:
+        if snapshot:
+            self.prefix.clear_worker(w.address)
+            w.needs_snapshot = False
+        if not data:
+            return
+        try:
+            events = decode_batch(data)
+        except EventCodecError as exc:
+            log.warning("bad KV events from %s: %s; resyncing", w.address, exc)
+            w.needs_snapshot = True
+            return
+        for e in events:  # keyed by address: that is how the router knows its workers
+            if isinstance(e, BlockStored):
+                self.prefix.store(w.address, e.hashes, e.tier)
+            elif isinstance(e, BlockRemoved):
+                self.prefix.remove(w.address, e.hashes, e.tier)

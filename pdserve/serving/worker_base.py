@@ -18,6 +18,8 @@ from collections.abc import Awaitable, Callable
 import grpc
 import torch
 
+from kv_store.index.events import BlockStored, encode_batch
+from kv_store.index.recorder import BlockRecorder
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
@@ -28,9 +30,11 @@ READY_PREFIX = "PDSERVE_READY "
 
 
 class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
-    def __init__(self, options: WorkerOptions, loop: EngineLoop) -> None:
+    def __init__(self, options: WorkerOptions, loop: EngineLoop,
+                 recorder: BlockRecorder | None = None) -> None:
         self.options = options
         self.loop = loop
+        self.recorder = recorder  # this worker's prefix-cache changes, for the KV index
         self.endpoints: list[worker_pb.KVEndpoint] = []
         self.counters: dict[str, float] = {}
 
@@ -49,7 +53,18 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_blocks_used=int(stats["kv_blocks_used"]),
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
-                      **{k: float(v) for k, v in stats.items() if k.startswith("spec_")}})
+                      **{k: float(v) for k, v in stats.items() if k.startswith("spec_")}},
+            kv_events=self._kv_events(request.kv_snapshot))
+
+    def _kv_events(self, snapshot: bool) -> bytes:
+        """Prefix-cache changes since the last poll (or everything held, on request)."""
+        if self.recorder is None:
+            return b""
+        events = self.recorder.drain()
+        if snapshot:
+            events = [BlockStored(self.recorder.worker_id, hashes, tier)
+                      for tier, hashes in self.recorder.snapshot().items()]
+        return encode_batch(events) if events else b""
 
     async def GetInfo(self, request, context):
         e = self.loop.engine
@@ -57,7 +72,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
             max_model_len=e.max_model_len, endpoints=self.endpoints,
-            api_version=WORKER_API_VERSION)
+            api_version=WORKER_API_VERSION, hash_extra=e.scheduler.kv.hash_extra)
 
     async def Prefetch(self, request, context):
         return worker_pb.PrefetchResponse(blocks_promoted=0)

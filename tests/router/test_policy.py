@@ -32,3 +32,38 @@ def test_conditional_disaggregation():
     assert prefill_remotely(100, 0, threshold=32, have_prefill_workers=True)
     assert not prefill_remotely(100, 80, threshold=32, have_prefill_workers=True)
     assert not prefill_remotely(100, 0, threshold=32, have_prefill_workers=False)
+
+
+def test_decode_prefers_the_worker_holding_the_prefix_within_the_guard():
+    loads = [Load(0, 0, used_blocks=10, total_blocks=100, inflight=0),
+             Load(1, 0, used_blocks=20, total_blocks=100, inflight=0, cached_blocks=12)]
+    assert pick_decode(loads) == 1  # affinity: 0.2 usage is within 0.25 of the floor
+
+
+def test_decode_affinity_never_builds_a_hot_spot():
+    loads = [Load(0, 0, used_blocks=10, total_blocks=100, inflight=0),
+             Load(1, 0, used_blocks=90, total_blocks=100, inflight=0, cached_blocks=50)]
+    assert pick_decode(loads) == 0
+
+
+def test_prefill_counts_only_uncached_tokens():
+    loads = [Load(0, queued_tokens=0, used_blocks=0, total_blocks=1, inflight=0),
+             Load(1, queued_tokens=100, used_blocks=0, total_blocks=1, inflight=0,
+                  cached_blocks=20)]
+    assert pick_prefill(loads, prompt_tokens=400, block_size=16) == 1  # 80 + 100 < 400
+
+
+def test_prefill_guard_spreads_a_popular_prefix():
+    loads = [Load(0, queued_tokens=0, used_blocks=0, total_blocks=1, inflight=0),
+             Load(1, queued_tokens=5000, used_blocks=0, total_blocks=1, inflight=0,
+                  cached_blocks=400)]
+    assert pick_prefill(loads, prompt_tokens=6400, block_size=16,
+                        max_imbalance_tokens=4096) == 0
+
+
+def test_tier_weights_discount_slower_tiers():
+    from router.policy import weighted_blocks
+
+    assert weighted_blocks([4, 4, 4]) == 4.0  # all in device memory
+    assert weighted_blocks([0, 4, 4]) < weighted_blocks([4, 4, 4])
+    assert weighted_blocks([0, 0, 4]) < weighted_blocks([0, 4, 4])

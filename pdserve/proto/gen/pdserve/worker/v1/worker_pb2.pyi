@@ -142,11 +142,13 @@ class PrefetchResponse(_message.Message):
     def __init__(self, blocks_promoted: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_snapshot",)
+    KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    kv_snapshot: bool
+    def __init__(self, kv_snapshot: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +165,7 @@ class WorkerStats(_message.Message):
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -172,14 +175,15 @@ class WorkerStats(_message.Message):
     kv_blocks_used: int
     kv_blocks_cached: int
     counters: _containers.ScalarMap[str, float]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    kv_events: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., kv_events: _Optional[bytes] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version")
+    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -188,6 +192,7 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_id: str
@@ -196,4 +201,5 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     api_version: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ...) -> None: ...
+    hash_extra: bytes
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
