@@ -15,8 +15,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox "
 def main() -> int:
     t0 = time.perf_counter()
     model = ensure_demo_model()
-    print(f"demo model: {model}", flush=True)
-    with LocalCluster(ClusterSpec(model=str(model), port=0)) as cluster:
+    logs = model.parent / "logs"  # keep the workers' logs off the terminal
+    print(f"demo model: {model}\nworker logs: {logs}", flush=True)
+    with LocalCluster(ClusterSpec(model=str(model), port=0, log_dir=str(logs))) as cluster:
         print(f"cluster up in {time.perf_counter() - t0:.1f}s; router at {cluster.address}",
               flush=True)
         with Client(cluster.address) as client:
