@@ -58,6 +58,19 @@ def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.T
     return mask
 
 
+def _length_groups(seqs: list[int], lens: list[int], spread: float = 1.5) -> list[list[int]]:
+    """Decode requests grouped by context length (longest within `spread` x the shortest),
+    so one padded gather per group copies little more than the real context."""
+    groups: list[list[int]] = []
+    floor = 0
+    for i in sorted(seqs, key=lambda i: lens[i]):
+        if not groups or lens[i] > max(floor * spread, 64):
+            groups.append([])
+            floor = lens[i]
+        groups[-1].append(i)
+    return groups
+
+
 class TorchAttention(AttentionBackend):
     name = "torch"
 
@@ -73,13 +86,10 @@ class TorchAttention(AttentionBackend):
     def attend(self, q, cache, meta, scale, sliding_window):
         qs = meta.query_start
         singles = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
-        out = q if len(singles) == meta.num_seqs else torch.empty_like(q)
-        if singles:
-            rows = torch.tensor([qs[i] for i in singles], device=q.device)
-            part = self._decode(q[rows], cache, meta, singles, scale, sliding_window)
-            if out is q:
-                return part
-            out[rows] = part
+        out = torch.empty_like(q)
+        for group in _length_groups(singles, meta.seq_lens):
+            rows = torch.tensor([qs[i] for i in group], device=q.device)
+            out[rows] = self._decode(q[rows], cache, meta, group, scale, sliding_window)
         for i in range(meta.num_seqs):
             s, e = qs[i], qs[i + 1]
             if e - s > 1:
