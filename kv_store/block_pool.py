@@ -50,6 +50,13 @@ class BlockPool:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Sees a cached block's id, hash and tokens just before `allocate` reuses it, while
+        # its KV is still intact (the tier manager copies it to host memory there).
+        self._on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
+
+    def set_evict_listener(self, fn: Callable[[int, bytes, tuple[int, ...]], None]) -> None:
+        """Call `fn(block_id, hash, token_ids)` before a cached free block is reused."""
+        self._on_evict = fn
 
     # -- queries (pure) ------------------------------------------------------------------
     @property
@@ -87,7 +94,7 @@ class BlockPool:
         blocks = []
         for _ in range(n):
             block, _ = self._free.popitem(last=False)
-            self._evict(block)
+            self._evict(block, demote=True)
             self._ref[block] = 1
             blocks.append(block)
         return blocks
@@ -130,10 +137,14 @@ class BlockPool:
         for block in list(self._free):
             self._evict(block)
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int, demote: bool = False) -> None:
         h = self._hash[block]
         if h is None:
             return
+        if demote and self._on_evict is not None:
+            tokens = self._tokens[block]
+            assert tokens is not None
+            self._on_evict(block, h, tokens)
         self._hash[block] = None
         self._tokens[block] = None
         del self._by_hash[h]

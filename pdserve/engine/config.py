@@ -43,6 +43,14 @@ class EngineConfig:
     or {"model": DRAFT_DIR, "num_speculative_tokens": k}."""
     model_id: str = ""
     """Name under which the model is served and hashed (default: the directory name)."""
+    kv_host_gb: float = 0.0
+    """Host-memory KV tier (GiB, pinned on CUDA): blocks evicted from the device cache are
+    kept here and loaded back on a prefix hit (0 = off). Needs prefix caching, TP=1."""
+    kv_ssd_dir: str | None = None
+    """Directory of the SSD KV tier's segment files (deleted and recreated at start)."""
+    kv_ssd_gb: float = 0.0
+    """SSD KV tier capacity (GiB; 0 = off): blocks evicted from the host tier (or from the
+    device when there is no host tier) land here, checksummed."""
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -53,6 +61,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        _check_tiers(self)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")
@@ -63,3 +72,20 @@ def _positive(cfg: EngineConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_tiers(cfg: EngineConfig) -> None:
+    for name in ("kv_host_gb", "kv_ssd_gb"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{name} must be a number >= 0, got {value!r}")
+    if (cfg.kv_ssd_gb > 0) != (cfg.kv_ssd_dir is not None):
+        raise ValueError("kv_ssd_dir and kv_ssd_gb must be set together "
+                         f"(got kv_ssd_dir={cfg.kv_ssd_dir!r}, kv_ssd_gb={cfg.kv_ssd_gb})")
+    if cfg.kv_host_gb > 0 or cfg.kv_ssd_gb > 0:
+        if cfg.tensor_parallel_size > 1:
+            # Each rank holds a head slice of every block; per-rank tiers are not built yet.
+            raise ValueError("kv_host_gb / kv_ssd_gb (KV tiers) require "
+                             "tensor_parallel_size=1")
+        if not cfg.enable_prefix_caching:
+            raise ValueError("kv_host_gb / kv_ssd_gb (KV tiers) require enable_prefix_caching")

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from kv_store.block_pool import BlockPool
+from kv_store.tiers.manager import TierManager, tier_stats_off
 from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.config import EngineConfig
@@ -70,7 +72,14 @@ class LLMEngine:
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         kv_key = f"{self.kv_dtype}|w={config.quantization or 'none'}"
-        kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size))
+        # Host / SSD tiers below the device cache (None when not configured).
+        self.tiers = TierManager.create(
+            caches, config.block_size, config.kv_host_gb, config.kv_ssd_dir, config.kv_ssd_gb,
+            on_event=on_block_event)
+        if self.tiers is not None:
+            self.pool.set_evict_listener(self.tiers.demote)
+        kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size),
+                            tiers=self.tiers)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
@@ -111,6 +120,8 @@ class LLMEngine:
         """Stop the follower ranks of a tensor-parallel engine (no-op otherwise)."""
         if self.tp_driver is not None:
             self.tp_driver.close()
+        if getattr(self, "tiers", None) is not None:
+            self.tiers.close()
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED) is not None
@@ -134,7 +145,10 @@ class LLMEngine:
                 tp_extra: dict | None = None
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
+        t0 = time.perf_counter()
         logits = self.runner.logits(plan.chunks, layer_hook, tp_extra)
+        if self.tiers is not None:  # prefill speed: the "recompute" side of load-or-recompute
+            self.tiers.observe_forward(plan.chunks, logits, t0)
         rows, owners = self._sampling_rows(plan.chunks)
         if not rows:
             return {}, {}
@@ -209,6 +223,7 @@ class LLMEngine:
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_cached": self.pool.num_cached,
             **(self.spec.stats() if self.spec is not None else spec_stats_off()),
+            **(self.tiers.stats() if self.tiers is not None else tier_stats_off()),
         }
 
     # -- setup ---------------------------------------------------------------------------

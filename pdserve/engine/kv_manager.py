@@ -7,6 +7,7 @@ changes state says so in its docstring.
 from __future__ import annotations
 
 from kv_store.block_pool import BlockPool
+from kv_store.tiers.manager import TierManager
 from pdserve.block_hash import ROOT_HASH, block_hash
 from pdserve.engine.request import Request
 
@@ -16,10 +17,12 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, hash_extra: bytes) -> None:
+    def __init__(self, pool: BlockPool, hash_extra: bytes,
+                 tiers: TierManager | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.hash_extra = hash_extra
+        self.tiers = tiers  # host / SSD tiers below the device pool (None: device only)
 
     def update_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` over every full block of its known tokens (mutates req)."""
@@ -45,7 +48,33 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.tiers is not None and len(hits) < limit:
+            hits = self._promote(req, hits, limit)
         return hits
+
+    def _promote(self, req: Request, hits: list[int], limit: int) -> list[int]:
+        """Continue a prefix hit into the host/SSD tiers: load the run of lower-tier blocks
+        that is faster to load than to recompute into fresh device blocks, publish them and
+        return them with the device hits, all cached-free again (mutates the pool: the new
+        blocks are cached; `admit` takes them like any device hit)."""
+        assert self.tiers is not None
+        bs, start = self.block_size, len(hits)
+        hashes = req.block_hashes[start:limit]
+        tokens = [req.token_slice(i * bs, (i + 1) * bs) for i in range(start, limit)]
+        k = self.tiers.plan(self.tiers.find_run(hashes, tokens))
+        k = min(k, self.pool.num_free - sum(1 for b in hits if self.pool.ref_count(b) == 0))
+        if k <= 0:
+            return hits
+        for b in hits:  # hold the device hits so the allocation below cannot evict them
+            self.pool.take(b)
+        new = self.pool.allocate(k)
+        assert new is not None
+        n = self.tiers.load(new, hashes[:k], tokens[:k])
+        for i in range(n):
+            self.pool.cache_block(new[i], hashes[i], tokens[i])
+        self.pool.free(new[n:])  # uncached: first to be reused
+        self.pool.free(list(reversed(hits + new[:n])))
+        return hits + new[:n]
 
     def admit(self, req: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Take the prefix hit and allocate room for `num_new_tokens` more (mutates req and the

@@ -1,0 +1,296 @@
+"""The tier manager: moves whole blocks between the device cache and the host / SSD stores.
+
+    demote  (device pool evicts a cached block)  device ─copy─► host   (host full: LRU ─► SSD)
+    promote (prefix lookup continues past device hits)  host | SSD ─copy─► fresh device blocks
+    prefetch (hint from the router)                     SSD ─► host, in the background
+
+A block here is every layer of one paged block, as opaque bytes (so the FP8 layout needs
+nothing special). Each move is timed: reads feed `BandwidthModel`, forward passes feed the
+prefill speed, and `plan_load` decides per run whether loading beats recomputing.
+
+On CUDA, device↔host copies are issued non-blocking on the current stream, so a promotion is
+ordered before the forward that uses it without a host-side wait; the host waits only before
+the CPU itself touches a slot a copy may still be writing (SSD demotion, SSD→host fills).
+Every method is called on the engine thread, except the completion callbacks of SSD I/O.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kv_store.block_pool import BlockEvent
+from kv_store.index.events import Tier
+from kv_store.tiers.host import HostStore
+from kv_store.tiers.policy import BandwidthModel, plan_load
+from kv_store.tiers.ssd import SSDStore
+
+TierEventFn = Callable[[BlockEvent, Tier], None]
+GB = 2**30
+
+
+class TierManager:
+    def __init__(self, caches: Sequence[torch.Tensor], block_size: int,
+                 host_bytes: int = 0, ssd_dir: str | None = None, ssd_bytes: int = 0,
+                 on_event: TierEventFn | None = None) -> None:
+        self.caches = list(caches)
+        self.block_size = block_size
+        self._layer_bytes = [c[0].numel() * c.element_size() for c in self.caches]
+        self.block_bytes = sum(self._layer_bytes)
+        self._cuda = self.caches[0].is_cuda
+        self._on_event = on_event
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = {}
+        self.bandwidth = BandwidthModel()
+        self._last_copy: torch.cuda.Event | None = None
+        self._pending_timing: tuple[int, float, torch.cuda.Event] | None = None
+        self.ssd = None
+        if ssd_dir is not None and ssd_bytes > 0:
+            self.ssd = SSDStore(ssd_dir, ssd_bytes, self.block_bytes, block_size,
+                                notify=self._ssd_notify)
+        self.host = None
+        if host_bytes > 0:
+            self.host = HostStore(host_bytes, self.block_bytes, pin=self._cuda,
+                                  on_evict=self._host_evicted)
+
+    @classmethod
+    def create(cls, caches: Sequence[torch.Tensor], block_size: int, host_gb: float,
+               ssd_dir: str | None, ssd_gb: float,
+               on_event: TierEventFn | None = None) -> TierManager | None:
+        """A manager for the configured tiers, or None when neither is configured."""
+        if host_gb <= 0 and (ssd_dir is None or ssd_gb <= 0):
+            return None
+        return cls(caches, block_size, int(host_gb * GB), ssd_dir, int(ssd_gb * GB), on_event)
+
+    # -- demotion (device → host → SSD) --------------------------------------------------
+    def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """`BlockPool` eviction hook: keep the block's bytes before the device slot is reused."""
+        if self.host is not None:
+            if self.host.put_with(block_hash, token_ids, lambda s: self._d2h(block_id, s)):
+                self._count("kv_tier_host_bytes_in", self.block_bytes)
+                self._publish("stored", block_hash, Tier.HOST)
+        elif self.ssd is not None and block_hash not in self.ssd:
+            slot = torch.empty(self.block_bytes, dtype=torch.uint8)
+            self._d2h(block_id, slot)
+            self._sync_copies()
+            self._ssd_write(block_hash, token_ids, slot)
+
+    def _host_evicted(self, block_hash: bytes, tokens: tuple[int, ...],
+                      slot: torch.Tensor) -> None:
+        self._publish("removed", block_hash, Tier.HOST)
+        if self.ssd is not None and block_hash not in self.ssd:
+            self._sync_copies()  # the slot may still be the target of a device copy
+            self._ssd_write(block_hash, tokens, slot)
+
+    def _ssd_write(self, block_hash: bytes, tokens: Sequence[int], data: torch.Tensor) -> None:
+        assert self.ssd is not None
+        self.ssd.write(block_hash, tokens, data.numpy().tobytes())
+        self._count("kv_tier_ssd_bytes_in", self.block_bytes)
+
+    # -- promotion (host / SSD → device) -------------------------------------------------
+    def find_run(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> list[Tier]:
+        """Tiers of the leading blocks found below the device (stops at the first miss)."""
+        run: list[Tier] = []
+        for h, t in zip(hashes, tokens, strict=True):
+            if self.host is not None and self.host.has(h, t):
+                self.host.touch(h)  # keep it through the allocation that precedes its load
+                run.append(Tier.HOST)
+            elif self.ssd is not None and self.ssd.has(h, t):
+                run.append(Tier.SSD)
+            else:
+                break
+        return run
+
+    def plan(self, run: Sequence[Tier]) -> int:
+        """How many leading blocks of `run` to load (the rest are recomputed)."""
+        self._harvest_timings()
+        k = plan_load(run, self.block_bytes, self.block_size, self.bandwidth.bandwidth(),
+                      self.bandwidth.prefill_tps)
+        self._count("kv_tier_blocks_loaded_planned", k)
+        self._count("kv_tier_blocks_recompute_chosen", len(run) - k)
+        return k
+
+    def load(self, block_ids: Sequence[int], hashes: Sequence[bytes],
+             tokens: Sequence[Sequence[int]]) -> int:
+        """Copy blocks into device blocks `block_ids`, in order; returns how many leading
+        blocks were loaded (a block that vanished or failed its checksum ends the run)."""
+        ssd_reads = {}
+        for i, (h, t) in enumerate(zip(hashes, tokens, strict=True)):
+            if self.ssd is not None and not (self.host is not None and self.host.has(h, t)):
+                ssd_reads[i] = self.ssd.read(h, t)  # all SSD reads in flight at once
+        t0 = time.perf_counter()
+        n = self._load_run(block_ids, hashes, tokens, ssd_reads)
+        n_ssd = sum(1 for i in ssd_reads if i < n)
+        # SSD reads overlap each other: one sample of all their bytes over the whole run.
+        self._record_read(Tier.SSD, n_ssd * self.block_bytes, time.perf_counter() - t0)
+        return n
+
+    def _load_run(self, block_ids, hashes, tokens, ssd_reads: dict) -> int:
+        host_bytes, host_t0 = 0, time.perf_counter()
+        for i, (b, h, t) in enumerate(zip(block_ids, hashes, tokens, strict=True)):
+            if i in ssd_reads:
+                if not self._load_from_ssd(b, ssd_reads[i]):
+                    self._count("kv_tier_ssd_load_failures")
+                    self._cancel(ssd_reads, i + 1)
+                    return i
+            elif self.host is not None and self.host.read(h, t, lambda s, b=b: self._h2d(s, b)):
+                host_bytes += self.block_bytes
+                self._count("kv_tier_host_hits")
+            else:
+                self._cancel(ssd_reads, i + 1)
+                return i
+        if not ssd_reads:
+            self._time_host(host_bytes, host_t0)
+        return len(block_ids)
+
+    def _load_from_ssd(self, block_id: int, fut) -> bool:
+        data = fut.result()
+        if data is None:
+            return False
+        self._h2d(torch.frombuffer(data, dtype=torch.uint8), block_id)
+        self._count("kv_tier_ssd_hits")
+        self._count("kv_tier_ssd_bytes_out", self.block_bytes)
+        return True
+
+    def _cancel(self, reads: dict, start: int) -> None:
+        for i, fut in reads.items():
+            if i >= start:
+                fut.cancel()
+
+    # -- prefetch ------------------------------------------------------------------------
+    def prefetch(self, hashes: Sequence[bytes]) -> int:
+        """Start SSD → host promotion of the listed blocks not already in host memory;
+        returns how many were started (they land in the host tier asynchronously)."""
+        if self.ssd is None or self.host is None:
+            return 0
+        started = 0
+        for h in hashes:
+            if h in self.host:
+                continue
+            tokens = self.ssd.tokens_of(h)
+            if tokens is None:
+                continue
+            fut = self.ssd.read(h, tokens)
+            fut.add_done_callback(lambda f, h=h, t=tokens: self._prefetched(h, t, f))
+            started += 1
+        self._count("kv_tier_prefetch_started", started)
+        return started
+
+    def _prefetched(self, block_hash: bytes, tokens: tuple[int, ...], fut) -> None:
+        data = None if fut.cancelled() else fut.result()
+        if data is None:
+            return
+        src = torch.frombuffer(data, dtype=torch.uint8)
+
+        def fill(slot: torch.Tensor) -> None:
+            self._sync_copies()  # an earlier device copy may still read this slot
+            slot.copy_(src)
+
+        if self.host is not None and self.host.put_with(block_hash, tokens, fill):
+            self._count("kv_tier_prefetched")
+            self._publish("stored", block_hash, Tier.HOST)
+
+    # -- copies --------------------------------------------------------------------------
+    def _d2h(self, block_id: int, slot: torch.Tensor) -> None:
+        off = 0
+        for cache, n in zip(self.caches, self._layer_bytes, strict=True):
+            slot[off:off + n].copy_(cache[block_id].reshape(-1).view(torch.uint8),
+                                    non_blocking=self._cuda)
+            off += n
+        self._mark_copy()
+
+    def _h2d(self, slot: torch.Tensor, block_id: int) -> None:
+        off = 0
+        for cache, n in zip(self.caches, self._layer_bytes, strict=True):
+            cache[block_id].view(-1).view(torch.uint8).copy_(slot[off:off + n],
+                                                              non_blocking=self._cuda)
+            off += n
+        self._mark_copy()
+
+    def _mark_copy(self) -> None:
+        if self._cuda:
+            self._last_copy = torch.cuda.Event()
+            self._last_copy.record()
+
+    def _sync_copies(self) -> None:
+        ev = self._last_copy
+        if ev is not None:
+            ev.synchronize()
+
+    # -- measurements --------------------------------------------------------------------
+    def _time_host(self, nbytes: int, t0: float) -> None:
+        if nbytes == 0:
+            return
+        self._count("kv_tier_host_bytes_out", nbytes)
+        if self._cuda:
+            # Completion is polled later, so the engine thread never waits for the copy.
+            end = torch.cuda.Event()
+            end.record()
+            self._pending_timing = (nbytes, t0, end)
+            return
+        self._record_read(Tier.HOST, nbytes, time.perf_counter() - t0)
+
+    def _harvest_timings(self) -> None:
+        pending = self._pending_timing
+        if pending is not None and pending[2].query():
+            # Wall time from issue to observed completion: an upper bound of the copy time.
+            self._pending_timing = None
+            nbytes, t0, _ = pending
+            self._record_read(Tier.HOST, nbytes, time.perf_counter() - t0)
+
+    def _record_read(self, tier: Tier, nbytes: int, seconds: float) -> None:
+        self.bandwidth.record_read(tier, nbytes, seconds)
+
+    def observe_forward(self, chunks: Sequence, logits: torch.Tensor, t0: float) -> None:
+        """Feed the prefill speed from a forward pass started at `t0` (engine thread)."""
+        tokens = sum(len(c.token_ids) for c in chunks if len(c.token_ids) >= self.block_size)
+        if tokens == 0:
+            return  # decode-only steps say nothing about prefill speed
+        if logits.is_cuda:
+            torch.cuda.synchronize(logits.device)  # sampling waits for it right after anyway
+        self.bandwidth.record_prefill(tokens, time.perf_counter() - t0)
+
+    # -- events and statistics -----------------------------------------------------------
+    def _publish(self, kind: str, block_hash: bytes, tier: Tier) -> None:
+        if self._on_event is not None:
+            self._on_event(BlockEvent(kind, block_hash), tier)
+
+    def _ssd_notify(self, kind: str, block_hash: bytes) -> None:
+        self._publish(kind, block_hash, Tier.SSD)
+
+    def _count(self, name: str, value: float = 1.0) -> None:
+        with self._lock:
+            self.counters[name] = self.counters.get(name, 0.0) + value
+
+    def stats(self) -> dict[str, float]:
+        """`kv_tier_*` statistics for `LLMEngine.stats()`."""
+        with self._lock:
+            out = dict(self.counters)
+        bw = self.bandwidth.bandwidth()
+        out.update({
+            "kv_tier_host_blocks": float(len(self.host)) if self.host is not None else 0.0,
+            "kv_tier_host_capacity_blocks": float(self.host.num_slots) if self.host else 0.0,
+            "kv_tier_ssd_blocks": float(len(self.ssd)) if self.ssd is not None else 0.0,
+            "kv_tier_ssd_corrupted": float(self.ssd.num_corrupted) if self.ssd else 0.0,
+            "kv_tier_host_read_bw": bw[Tier.HOST] or 0.0,
+            "kv_tier_ssd_read_bw": bw[Tier.SSD] or 0.0,
+            "kv_tier_prefill_tps": self.bandwidth.prefill_tps or 0.0,
+        })
+        return out
+
+    def flush(self) -> None:
+        """Wait for background SSD writes (tests, benchmarks, shutdown)."""
+        if self.ssd is not None:
+            self.ssd.flush()
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.ssd.close()
+
+
+def tier_stats_off() -> dict[str, float]:
+    """The `kv_tier_*` keys of an engine without lower tiers (all zero)."""
+    return {"kv_tier_host_blocks": 0.0, "kv_tier_ssd_blocks": 0.0}

@@ -1,0 +1,159 @@
+"""Host and SSD stores of the KV tiers, and the load-or-recompute rule."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kv_store.index.events import Tier
+from kv_store.tiers import HostStore, SSDStore, plan_load, should_load
+from kv_store.tiers.policy import EMA
+
+BB = 64  # block bytes
+BS = 4  # tokens per block
+
+
+def _h(i: int) -> bytes:
+    return i.to_bytes(16, "big")
+
+
+def _data(i: int) -> torch.Tensor:
+    return torch.full((BB,), i % 251, dtype=torch.uint8)
+
+
+def _toks(i: int) -> list[int]:
+    return [i, i + 1, i + 2, i + 3]
+
+
+# -- host ------------------------------------------------------------------------------------
+def _host_get(host: HostStore, i: int) -> torch.Tensor | None:
+    out = []
+    ok = host.read(_h(i), _toks(i), lambda s: out.append(s.clone()))
+    return out[0] if ok else None
+
+
+def test_host_round_trip_and_token_check():
+    host = HostStore(4 * BB, BB)
+    assert host.put(_h(1), _toks(1), _data(1))
+    assert not host.put(_h(1), _toks(1), _data(2))  # already held: unchanged
+    assert torch.equal(_host_get(host, 1), _data(1))
+    assert not host.read(_h(1), [9, 9, 9, 9], lambda s: None)  # same hash, other tokens
+    assert host.remove(_h(1)) and len(host) == 0
+
+
+def test_host_evicts_least_recently_used_to_the_callback():
+    evicted = []
+    host = HostStore(3 * BB, BB, on_evict=lambda h, t, d: evicted.append((h, t, d.clone())))
+    for i in range(3):
+        host.put(_h(i), _toks(i), _data(i))
+    _host_get(host, 0)  # 0 becomes most recent: 1 is now the LRU
+    host.put(_h(3), _toks(3), _data(3))
+    assert [e[0] for e in evicted] == [_h(1)]
+    assert evicted[0][1] == tuple(_toks(1)) and torch.equal(evicted[0][2], _data(1))
+    assert len(host) == 3 and host.bytes_used == 3 * BB
+    assert torch.equal(_host_get(host, 3), _data(3))
+
+
+def test_host_capacity_below_one_block_is_refused():
+    with pytest.raises(ValueError, match="capacity"):
+        HostStore(BB - 1, BB)
+
+
+def test_host_concurrent_puts_and_reads_stay_consistent():
+    host = HostStore(16 * BB, BB)
+
+    def work(base: int) -> None:
+        for i in range(base + 3, base + 200):
+            host.put(_h(i), _toks(i), _data(i))
+            got = _host_get(host, i - 3)
+            assert got is None or torch.equal(got, _data(i - 3))
+
+    threads = [threading.Thread(target=work, args=(k * 1000,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(host) == 16 and len(set(host.hashes())) == 16
+
+
+# -- SSD -------------------------------------------------------------------------------------
+def _ssd(tmp_path, records: int, per_segment: int = 2, notify=None) -> SSDStore:
+    rec = 32 + 4 * BS + BB
+    return SSDStore(tmp_path, records * rec, BB, BS, segment_bytes=per_segment * rec,
+                    notify=notify)
+
+
+def test_ssd_round_trip_and_token_check(tmp_path):
+    events = []
+    ssd = _ssd(tmp_path, 8, notify=lambda k, h: events.append((k, h)))
+    assert ssd.write(_h(1), _toks(1), _data(1).numpy().tobytes()).result()
+    assert not ssd.write(_h(1), _toks(1), _data(1).numpy().tobytes()).result()
+    got = ssd.read(_h(1), _toks(1)).result()
+    assert bytes(got) == _data(1).numpy().tobytes()
+    assert ssd.read(_h(1), [0, 0, 0, 0]).result() is None
+    assert ssd.read(_h(2), _toks(2)).result() is None
+    assert events == [("stored", _h(1))]
+    ssd.close()
+
+
+def test_ssd_evicts_the_oldest_segment_at_capacity(tmp_path):
+    removed = []
+    ssd = _ssd(tmp_path, 4, per_segment=2,
+               notify=lambda k, h: removed.append(h) if k == "removed" else None)
+    for i in range(5):
+        ssd.write(_h(i), _toks(i), _data(i).numpy().tobytes()).result()
+    assert removed == [_h(0), _h(1)]  # the first segment went as a whole
+    assert len(ssd) == 3 and len(list(tmp_path.glob("seg-*.pdkv"))) == 2
+    assert ssd.read(_h(0), _toks(0)).result() is None
+    assert bytes(ssd.read(_h(4), _toks(4)).result()) == _data(4).numpy().tobytes()
+    ssd.close()
+
+
+def test_ssd_corrupted_record_is_a_miss_and_dropped(tmp_path):
+    ssd = _ssd(tmp_path, 8)
+    ssd.write(_h(1), _toks(1), _data(1).numpy().tobytes()).result()
+    path, offset = ssd.location(_h(1))
+    raw = bytearray(path.read_bytes())
+    raw[offset + ssd.record_bytes - 1] ^= 0x01  # one bit of the block bytes
+    path.write_bytes(bytes(raw))
+    assert ssd.read(_h(1), _toks(1)).result() is None
+    assert ssd.num_corrupted == 1 and _h(1) not in ssd
+    ssd.close()
+
+
+def test_ssd_concurrent_writes_and_reads(tmp_path):
+    ssd = _ssd(tmp_path, 64, per_segment=8)
+    futs = [ssd.write(_h(i), _toks(i), _data(i).numpy().tobytes()) for i in range(40)]
+    assert all(f.result() for f in futs)
+    reads = {i: ssd.read(_h(i), _toks(i)) for i in range(40)}
+    for i, f in reads.items():
+        assert bytes(f.result()) == _data(i).numpy().tobytes()
+    ssd.close()
+    assert not list(tmp_path.glob("seg-*.pdkv"))
+
+
+# -- load or recompute -----------------------------------------------------------------------
+def test_should_load_compares_copy_time_with_recompute_time():
+    # 1 MB at 1 GB/s = 1 ms; 16 tokens at 1000 tok/s = 16 ms → load.
+    assert should_load(2**20, 1e9, 16, 1000.0)
+    # 1 MB at 10 MB/s = 100 ms > 16 ms → recompute.
+    assert not should_load(2**20, 1e7, 16, 1000.0)
+    assert should_load(2**20, None, 16, 1000.0)  # unmeasured tier: probe it once
+
+
+def test_plan_load_takes_the_best_prefix_of_a_mixed_run():
+    bw = {Tier.HOST: 1e9, Tier.SSD: 1e6}
+    # A block: 16 tokens at 1000 tok/s = 16 ms to recompute; 1 MB: host 1 ms, SSD 1 s.
+    assert plan_load([Tier.HOST] * 3, 2**20, 16, bw, 1000.0) == 3
+    assert plan_load([Tier.HOST, Tier.HOST, Tier.SSD], 2**20, 16, bw, 1000.0) == 2
+    assert plan_load([Tier.SSD, Tier.HOST], 2**20, 16, bw, 1000.0) == 0
+    assert plan_load([], 2**20, 16, bw, 1000.0) == 0
+
+
+def test_ema_tracks_rates():
+    ema = EMA(alpha=0.5)
+    ema.add(100, 1.0)
+    ema.add(300, 1.0)
+    assert ema.value == pytest.approx(200.0)
