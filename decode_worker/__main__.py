@@ -12,7 +12,12 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import start_server
-from pdserve.serving.worker_base import announce_ready, configure_process, wait_for_signal
+from pdserve.serving.worker_base import (
+    announce_ready,
+    configure_process,
+    start_telemetry,
+    wait_for_signal,
+)
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 
@@ -28,13 +33,16 @@ async def serve(options: WorkerOptions) -> None:
     service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),
                          *service.follower_endpoints()]
     loop.start()
+    telemetry = start_telemetry(options, service)
     server = await start_server(
         options.host, options.port,
         lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
-        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name])
+        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
+        interceptors=[telemetry.interceptor])
     expiry = asyncio.create_task(expire_loop(service))
     announce_ready({"role": "decode", "worker_id": options.worker_id,
-                    "address": f"{options.host}:{server.port}", "kv_address": receiver.address})
+                    "address": f"{options.host}:{server.port}", "kv_address": receiver.address,
+                    **telemetry.ready_info()})
 
     async def cleanup() -> None:
         expiry.cancel()
@@ -43,6 +51,7 @@ async def serve(options: WorkerOptions) -> None:
         receiver.close()
         loop.stop()
         engine.close()
+        telemetry.close()
 
     await wait_for_signal(cleanup)
 

@@ -12,7 +12,12 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import start_server
-from pdserve.serving.worker_base import announce_ready, configure_process, wait_for_signal
+from pdserve.serving.worker_base import (
+    announce_ready,
+    configure_process,
+    start_telemetry,
+    wait_for_signal,
+)
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 from prefill_worker.kv_streamer import KVStreamer
 from prefill_worker.service import PrefillService
@@ -30,12 +35,14 @@ async def serve(options: WorkerOptions) -> None:
     service = PrefillService(options, loop, streamer, recorder)
     loop.set_step_fn(service.step)
     loop.start()
+    telemetry = start_telemetry(options, service)
     server = await start_server(
         options.host, options.port,
         lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
-        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name])
+        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
+        interceptors=[telemetry.interceptor])
     announce_ready({"role": "prefill", "worker_id": options.worker_id,
-                    "address": f"{options.host}:{server.port}"})
+                    "address": f"{options.host}:{server.port}", **telemetry.ready_info()})
 
     async def cleanup() -> None:
         await server.set_serving(False)
@@ -43,6 +50,7 @@ async def serve(options: WorkerOptions) -> None:
         loop.stop()
         engine.close()
         sender.close()
+        telemetry.close()
 
     await wait_for_signal(cleanup)
 

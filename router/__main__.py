@@ -7,11 +7,12 @@ import argparse
 import asyncio
 import logging
 import os
-import sys
 import time
 
 from kv_store.index.prefix import PrefixIndex
 from pdserve.engine.model_config import ModelConfig
+from pdserve.observability.logs import configure_logging
+from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
@@ -37,7 +38,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
     max_len = min((i.max_model_len for i in infos), default=model_cfg.max_position_embeddings)
     model_id = cfg.model_id or (infos[0].model_id if infos else os.path.basename(cfg.model))
-    frontend = Frontend(cfg, tokenizer, prefill, decode)
+    metrics = RouterMetrics()
+    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics)
     service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
@@ -48,7 +50,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()))
-        http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()))
+        http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
+                            metrics=metrics.registry)
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
@@ -90,8 +93,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s router %(levelname)s %(message)s")
+    configure_logging("router", "", os.environ)
     asyncio.run(serve(*parse(argv)))
 
 

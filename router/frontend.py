@@ -5,11 +5,13 @@ typed chunks onto their own wire formats.
 
 from __future__ import annotations
 
+import logging
 import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
@@ -17,6 +19,8 @@ from router.config import RouterConfig
 from router.flow import FinishEvent, Flow, FlowTimings, TokenEvent
 from router.pool import WorkerPool
 from router.validation import ValidRequest
+
+log = logging.getLogger("router.requests")
 
 
 @dataclass(frozen=True)
@@ -39,8 +43,9 @@ class OutputChunk:
 
 class Frontend:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, prefill: WorkerPool,
-                 decode: WorkerPool) -> None:
+                 decode: WorkerPool, metrics: RouterMetrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
                          random.Random(uuid.uuid4().int))
@@ -60,19 +65,28 @@ class Frontend:
                           p.include_stop_str_in_output)
         want_lp = p.logprobs is not None
         n_prompt, sent = len(req.prompt_token_ids), 0
+        # The workers know the request by `rid`; its prefix is the client's id, when given.
+        trace = self.metrics.trace(rid, n_prompt, log)
         self.inflight += 1
         try:
             async for ev in self.flow.run(rid, req, timeout, FlowTimings()):
                 if isinstance(ev, TokenEvent):
                     sent += len(ev.token_ids)
+                    trace.on_tokens(len(ev.token_ids))
                     delta = text.add(ev.token_ids)
                     yield OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [])
                     if delta.stopped:
+                        trace.finish("OK")  # before the yield: the caller may stop reading
                         yield OutputChunk([], "", [], "stop", Usage(n_prompt, sent, 0))
                         return
                 elif isinstance(ev, FinishEvent):
+                    trace.finish("OK", ev.cached_tokens)
                     yield OutputChunk([], text.finish().text, [], ev.reason,
                                       Usage(n_prompt, sent, ev.cached_tokens))
                     return
+            trace.finish("INTERNAL")  # the flow always ends with a finish event or an error
+        except BaseException as exc:
+            trace.finish(status_of(exc))
+            raise
         finally:
             self.inflight -= 1

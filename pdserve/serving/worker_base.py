@@ -8,11 +8,12 @@ can bind port 0 and no port is ever guessed.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import faulthandler
 import json
 import logging
+import os
 import signal
-import sys
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -20,7 +21,11 @@ import torch
 
 from kv_store.index.events import BlockStored, encode_batch
 from kv_store.index.recorder import BlockRecorder
+from pdserve.block_hash import HASH_BYTES
 from pdserve.engine.engine import LLMEngine
+from pdserve.observability.logs import configure_logging
+from pdserve.observability.telemetry import WorkerTelemetry
+from pdserve.observability.worker_metrics import WorkerSnapshot
 from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.worker_options import WorkerOptions
@@ -53,7 +58,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_blocks_used=int(stats["kv_blocks_used"]),
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
-                      **{k: float(v) for k, v in stats.items() if k.startswith("spec_")}},
+                      **{k: float(v) for k, v in stats.items()
+                         if k.startswith(("spec_", "kv_tier_"))}},
             kv_events=self._kv_events(request.kv_snapshot))
 
     def _kv_events(self, snapshot: bool) -> bytes:
@@ -75,7 +81,45 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             api_version=WORKER_API_VERSION, hash_extra=e.scheduler.kv.hash_extra)
 
     async def Prefetch(self, request, context):
-        return worker_pb.PrefetchResponse(blocks_promoted=0)
+        """Start promoting the listed blocks SSD → host so they are warm on arrival."""
+        hashes = list(request.block_hashes)
+        if any(len(h) != HASH_BYTES for h in hashes):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"block_hashes must be {HASH_BYTES} bytes each")
+        if not self.loop.alive:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
+        started = await self.loop.call(
+            lambda e: e.tiers.prefetch(hashes) if e.tiers is not None else 0)
+        return worker_pb.PrefetchResponse(blocks_promoted=started)
+
+    def metrics_snapshot(self, timeout_s: float = 2.0) -> WorkerSnapshot:
+        """Engine stats (taken on the engine thread between steps) and counters, for a
+        metrics scrape; callable from any thread. `stats` is None if the engine is down or
+        does not answer within `timeout_s`."""
+        done: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
+
+        def take(engine: LLMEngine) -> None:
+            try:
+                done.set_result(engine.stats())
+            except Exception as exc:  # noqa: BLE001 - reported as "engine down"
+                done.set_exception(exc)
+
+        stats = None
+        if self.loop.alive:
+            self.loop.post(take)
+            try:
+                stats = done.result(timeout_s)
+            except Exception:  # noqa: BLE001 - a busy or broken engine: scrape what we have
+                stats = None
+        # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
+        return WorkerSnapshot(stats, dict(self.counters), self.loop.steps)
+
+
+def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:
+    """The worker's metrics (`/metrics` on `--host`:`--metrics-port`) and request logging
+    interceptor for its gRPC server."""
+    return WorkerTelemetry(options.role, options.worker_id, service.metrics_snapshot,
+                           options.host, options.metrics_port, ("Prefill", "Decode"))
 
 
 def announce_ready(info: dict) -> None:
@@ -85,8 +129,7 @@ def announce_ready(info: dict) -> None:
 def configure_process(options: WorkerOptions) -> None:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s {options.worker_id} %(levelname)s %(message)s")
+    configure_logging(options.role, options.worker_id, os.environ)
     if options.threads > 0:
         torch.set_num_threads(options.threads)
 

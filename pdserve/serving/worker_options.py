@@ -25,6 +25,9 @@ class WorkerOptions:
     worker_id: str = ""
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
+    metrics_port: int = 0
+    """Port of the Prometheus `/metrics` server, bound to `host` (0 = any free port, announced
+    as `metrics_address`; -1 = no metrics server)."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -35,6 +38,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int, default=0)
     p.add_argument("--worker-id", default="")
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus /metrics port (0 = any free port, -1 = off)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -50,10 +55,18 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
     p.add_argument("--model-id", default="")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    p.add_argument("--kv-host-gb", type=float, default=0.0,
+                   help="host-memory KV tier, GiB (0 = off)")
+    p.add_argument("--kv-ssd-dir", default=None,
+                   help="SSD KV tier directory; this worker uses DIR/<worker id>")
+    p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier, GiB (0 = off)")
 
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     spec = json.loads(a.speculative_config) if a.speculative_config else None
+    worker_id = a.worker_id or f"{role}-{os.getpid()}"
+    # Workers started with the same flags must not share (and wipe) one segment directory.
+    ssd_dir = os.path.join(a.kv_ssd_dir, worker_id) if a.kv_ssd_dir else None
     engine = EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
@@ -61,7 +74,11 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         attention_backend=a.attention_backend, quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
-        tensor_parallel_size=a.tp)
-    worker_id = a.worker_id or f"{role}-{os.getpid()}"
+        tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
+        kv_ssd_gb=a.kv_ssd_gb)
+    if not -1 <= a.metrics_port <= 65535:
+        raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
+                         f"number, got {a.metrics_port}")
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
-                         kv_port=a.kv_port, worker_id=worker_id, threads=a.threads)
+                         kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
+                         metrics_port=a.metrics_port)

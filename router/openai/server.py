@@ -6,6 +6,7 @@ body size limit, and turning every failure into an OpenAI error body: `ApiError`
 as a 500, anything unexpected.
 
     GET  /health                 200 while a decode worker is healthy, else 503
+    GET  /metrics                Prometheus text format (when the router passes a registry)
     GET  /v1/models[/{model}]
     POST /v1/completions
     POST /v1/chat/completions
@@ -19,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.frontend import Frontend
 from router.openai import chat, completions, sse
@@ -35,7 +37,9 @@ from router.openai.schemas import ServedModel
 
 log = logging.getLogger(__name__)
 
-_OPEN_PATHS = frozenset({"/health"})
+# Operational endpoints stay open like /health: metrics hold counts and latencies, never
+# request content, and scrapers are configured without the API's tokens.
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 @dataclass(frozen=True)
@@ -51,10 +55,12 @@ class HttpConfig:
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
-                 healthy: Callable[[], bool]) -> None:
+                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None
+                 ) -> None:
         self.ctx = ApiContext(frontend, model)
         self.config = config
         self.healthy = healthy
+        self.metrics = metrics
         self._runner: web.AppRunner | None = None
         self.address = ""
         """host:port once started."""
@@ -63,6 +69,8 @@ class OpenAIServer:
         app = web.Application(client_max_size=self.config.max_body_bytes,
                               middlewares=[_errors, _auth(self.config.auth_tokens)])
         app.router.add_get("/health", self._health)
+        if self.metrics is not None:
+            app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
@@ -95,6 +103,11 @@ class OpenAIServer:
         ok = self.healthy()
         return web.json_response({"status": "ok" if ok else "unavailable"},
                                  status=200 if ok else 503)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        assert self.metrics is not None
+        return web.Response(body=generate_latest(self.metrics),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response(models_json(self.ctx.model), dumps=sse.dumps)

@@ -1,0 +1,136 @@
+"""The router's request metrics, and the per-request trace that feeds them and the log.
+
+    start ─► first token (TTFT) ─► token chunks (ITL: gap between chunks) ─► finish(status)
+                                                       E2E and TPOT, when it finished OK
+
+TTFT is observed for every request that produced a token; E2E and TPOT only for requests
+that finished OK (errors are counted by status in `pdserve_requests_total`, and a fast failure
+would otherwise pull the latency percentiles down). TPOT = (last token - first token) /
+(generated tokens - 1). ITL is the gap a streaming client sees between two chunks; a chunk may
+carry several tokens (speculative decoding).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from pdserve.observability.logs import request_log
+
+# One bucket set must serve a 2-core CPU (seconds per token) and a GPU (milliseconds).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05,
+                 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
+               60.0, 120.0, 300.0, 600.0)
+
+
+class RouterMetrics:
+    """The router's metric objects, registered on `registry` (its own unless given)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("pdserve_request_ttft_seconds",
+                              "Time from request arrival to its first token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve_request_tpot_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=TOKEN_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_request_itl_seconds",
+                             "Gap between two consecutive token chunks of a request.",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve_request_e2e_seconds",
+                             "Time from request arrival to its last token (OK requests).",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.requests = Counter("pdserve_requests", "Requests by final gRPC status.",
+                                ["status"], registry=r)
+        self.requests.labels("OK")  # present (at 0) before the first request: rate() works
+        self.inflight = Gauge("pdserve_requests_inflight", "Requests being served now.",
+                              registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of requests.",
+                                     registry=r)
+        self.generation_tokens = Counter("pdserve_generation_tokens",
+                                         "Tokens generated and streamed to clients.", registry=r)
+        self.cached_tokens = Counter("pdserve_cached_prompt_tokens",
+                                     "Prompt tokens served from a worker's prefix cache.",
+                                     registry=r)
+
+    def trace(self, request_id: str, prompt_tokens: int, log: logging.Logger,
+              clock: Callable[[], float] = time.perf_counter) -> RequestTrace:
+        """Start observing one request."""
+        return RequestTrace(self, request_id, prompt_tokens, log, clock)
+
+
+class RequestTrace:
+    """One request's timestamps; reports to `RouterMetrics` and logs start and finish."""
+
+    def __init__(self, metrics: RouterMetrics, request_id: str, prompt_tokens: int,
+                 log: logging.Logger, clock: Callable[[], float]) -> None:
+        self.metrics = metrics
+        self.log = request_log(log, request_id)
+        self.request_id = request_id
+        self.clock = clock
+        self.start = clock()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.prompt_tokens = prompt_tokens
+        self.status: str | None = None
+        """The final status once `finish` ran."""
+        metrics.inflight.inc()
+        metrics.prompt_tokens.inc(prompt_tokens)
+        self.log.info("request %s started: %d prompt tokens", request_id, prompt_tokens,
+                      extra={"event": "request_start", "prompt_tokens": prompt_tokens})
+
+    def on_tokens(self, n: int) -> None:
+        """A chunk of `n` new tokens is about to be streamed to the client."""
+        if n <= 0:
+            return
+        now = self.clock()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        elif self.last is not None:
+            self.metrics.itl.observe(now - self.last)
+        self.last = now
+        self.tokens += n
+        self.metrics.generation_tokens.inc(n)
+
+    def finish(self, status: str, cached_tokens: int = 0) -> None:
+        """End the request with a gRPC status name; later calls are ignored."""
+        if self.status is not None:
+            return
+        self.status = status
+        now = self.clock()
+        m = self.metrics
+        m.inflight.dec()
+        m.requests.labels(status).inc()
+        m.cached_tokens.inc(max(cached_tokens, 0))
+        if status == "OK":
+            m.e2e.observe(now - self.start)
+            if self.tokens > 1 and self.first is not None and self.last is not None:
+                m.tpot.observe((self.last - self.first) / (self.tokens - 1))
+        ttft = None if self.first is None else round(self.first - self.start, 6)
+        self.log.info("request %s finished: status=%s tokens=%d ttft_s=%s", self.request_id,
+                      status, self.tokens, ttft,
+                      extra={"event": "request_finish", "status": status,
+                             "prompt_tokens": self.prompt_tokens, "tokens": self.tokens,
+                             "cached_tokens": cached_tokens, "ttft_s": ttft,
+                             "e2e_s": round(now - self.start, 6)})
+
+
+def status_of(exc: BaseException) -> str:
+    """The gRPC status name a request ends with when `exc` stops it."""
+    code = getattr(exc, "code", None)
+    if isinstance(code, grpc.StatusCode):  # router.flow.FlowError
+        return code.name
+    if isinstance(exc, asyncio.CancelledError | GeneratorExit):
+        return grpc.StatusCode.CANCELLED.name  # the client went away
+    return grpc.StatusCode.UNKNOWN.name
