@@ -2,6 +2,7 @@
 
     pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
     pdserve generate [--target HOST:PORT] "prompt"
+    pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
 """
@@ -28,11 +29,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     _add_up(sub.add_parser("up", help="start a local cluster"))
     _add_generate(sub.add_parser("generate", help="stream a completion"))
+    _add_bench(sub.add_parser("bench", help="serving load generator (pdserve.loadgen)"))
     demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
     a = parser.parse_args(argv)
-    return {"up": cmd_up, "generate": cmd_generate, "demo-model": cmd_demo_model}[a.cmd](a)
+    return {"up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
+            "demo-model": cmd_demo_model}[a.cmd](a)
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
@@ -43,11 +46,18 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="OpenAI-compatible HTTP API port (0 = any free port, -1 = none)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--prefill-tp", type=int, default=1, help="TP ranks per prefill worker")
+    p.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode worker")
     p.add_argument("--threads-per-worker", type=int, default=0)
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--log-dir", default=None)
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
+    p.add_argument("--kv-host-gb", type=float, default=0.0,
+                   help="host-memory KV tier per worker, GiB (0 = off)")
+    p.add_argument("--kv-ssd-dir", default=None,
+                   help="SSD KV tier directory (each worker uses DIR/<worker id>)")
+    p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier per worker, GiB")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -61,6 +71,12 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="bearer token")
 
 
+def _add_bench(p: argparse.ArgumentParser) -> None:
+    from pdserve.loadgen.cli import add_arguments
+
+    add_arguments(p)
+
+
 def cmd_up(a: argparse.Namespace) -> int:
     from pdserve.demo_model import ensure_demo_model
     from pdserve.launcher import ClusterSpec, LocalCluster
@@ -68,7 +84,8 @@ def cmd_up(a: argparse.Namespace) -> int:
     model = a.model or str(ensure_demo_model())
     spec = ClusterSpec(model=model, host=a.host, port=a.port, num_prefill=a.prefill,
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
-                       worker_args=tuple(a.worker_arg), log_dir=a.log_dir,
+                       prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
+                       worker_args=(*a.worker_arg, *_tier_worker_args(a)), log_dir=a.log_dir,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port)))
     cluster = LocalCluster(spec)
@@ -116,6 +133,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from pdserve.loadgen.cli import run
+
+    return run(a)
+
+
 def cmd_demo_model(a: argparse.Namespace) -> int:
     from pdserve.demo_model import write_demo_model
 
@@ -126,3 +149,15 @@ def cmd_demo_model(a: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
+    """The KV tier flags of `pdserve up`, as worker flags (only those that are set)."""
+    out: list[str] = []
+    if a.kv_host_gb:
+        out.append(f"--kv-host-gb={a.kv_host_gb}")
+    if a.kv_ssd_dir:
+        out.append(f"--kv-ssd-dir={a.kv_ssd_dir}")
+    if a.kv_ssd_gb:
+        out.append(f"--kv-ssd-gb={a.kv_ssd_gb}")
+    return tuple(out)
