@@ -107,8 +107,10 @@ class WorkerPool:
             if w.info is None:
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
             snapshot = w.needs_snapshot
+            # Workers answer from a snapshot, so even a busy one replies in milliseconds;
+            # the slack covers a starved machine, not a slow engine step.
             stats = await w.stub.GetStats(worker_pb.StatsRequest(kv_snapshot=snapshot),
-                                          timeout=self.period_s)
+                                          timeout=2 * self.period_s)
         except grpc.aio.AioRpcError:
             w.misses += 1
             if w.misses >= self.max_misses and w.healthy:

@@ -37,6 +37,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.steps = 0
         self.failure: BaseException | None = None
+        # Engine statistics as of the last step or command batch. Readers (health polls,
+        # metrics scrapes) take this reference instead of waiting for a long prefill step.
+        self.stats: dict[str, float] = engine.stats()
 
     def set_step_fn(self, step_fn: StepFn) -> None:
         """Replace the step (e.g. the prefill worker's step with KV streaming); before start."""
@@ -87,10 +90,12 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished())
+                self.stats = self.engine.stats()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
                 outputs = self._step_fn(self.engine)
                 self.steps += 1
+                self.stats = self.engine.stats()
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:  # noqa: BLE001 - reported through health checks

@@ -8,7 +8,6 @@ can bind port 0 and no port is ever guessed.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import faulthandler
 import json
 import logging
@@ -22,7 +21,6 @@ import torch
 from kv_store.index.events import BlockStored, encode_batch
 from kv_store.index.recorder import BlockRecorder
 from pdserve.block_hash import HASH_BYTES
-from pdserve.engine.engine import LLMEngine
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.telemetry import WorkerTelemetry
 from pdserve.observability.worker_metrics import WorkerSnapshot
@@ -49,7 +47,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
     async def GetStats(self, request, context):
         if not self.loop.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
-        stats = await self.loop.call(LLMEngine.stats)
+        stats = self.loop.stats  # never waits for a step: a long prefill is not a dead worker
         return worker_pb.WorkerStats(
             worker_id=self.options.worker_id, role=self.options.role,
             num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
@@ -92,25 +90,10 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             lambda e: e.tiers.prefetch(hashes) if e.tiers is not None else 0)
         return worker_pb.PrefetchResponse(blocks_promoted=started)
 
-    def metrics_snapshot(self, timeout_s: float = 2.0) -> WorkerSnapshot:
-        """Engine stats (taken on the engine thread between steps) and counters, for a
-        metrics scrape; callable from any thread. `stats` is None if the engine is down or
-        does not answer within `timeout_s`."""
-        done: concurrent.futures.Future[dict[str, float]] = concurrent.futures.Future()
-
-        def take(engine: LLMEngine) -> None:
-            try:
-                done.set_result(engine.stats())
-            except Exception as exc:  # noqa: BLE001 - reported as "engine down"
-                done.set_exception(exc)
-
-        stats = None
-        if self.loop.alive:
-            self.loop.post(take)
-            try:
-                stats = done.result(timeout_s)
-            except Exception:  # noqa: BLE001 - a busy or broken engine: scrape what we have
-                stats = None
+    def metrics_snapshot(self) -> WorkerSnapshot:
+        """Engine stats as of the last step, and counters, for a metrics scrape; callable from
+        any thread. `stats` is None if the engine is down."""
+        stats = self.loop.stats if self.loop.alive else None
         # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
         return WorkerSnapshot(stats, dict(self.counters), self.loop.steps)
 

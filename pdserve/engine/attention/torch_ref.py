@@ -115,8 +115,8 @@ class TorchAttention(AttentionBackend):
     def _decode(self, q, cache, meta, seqs, scale, window):
         """q: [B, H, D], one query per request in `seqs`."""
         bs = cache.shape[3]
-        lens = meta.seq_lens_t[seqs] if len(seqs) != meta.num_seqs else meta.seq_lens_t
-        tables = meta.block_tables[seqs] if len(seqs) != meta.num_seqs else meta.block_tables
+        index = torch.tensor(seqs, device=q.device)  # the group's order, not the batch's
+        lens, tables = meta.seq_lens_t[index], meta.block_tables[index]
         nb = -(-max(meta.seq_lens[i] for i in seqs) // bs)
         kv = gather_batch(cache, tables[:, :nb], q.dtype)  # [2, KVH, B, nb * bs, D]
         _, kvh, b, _, d = kv.shape
