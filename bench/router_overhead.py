@@ -1,0 +1,113 @@
+"""What the router adds: the same requests sent through the router and straight to the decode
+worker's internal `Decode` RPC (local prefill, the path the router itself takes for short
+prompts), in one run, alternating.
+
+    python bench/router_overhead.py [--requests 40] [--prompt-tokens 24] [--max-tokens 32]
+
+Per request: TTFT and end-to-end latency on both paths, and the mean inter-token latency.
+The router's added latency is the difference of the paired medians (p50) and of the 99th
+percentiles; its share of ITL is (ITL via router − ITL direct) / ITL direct.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import grpc  # noqa: E402
+
+from bench.common import print_table, write_json  # noqa: E402
+from pdserve.client import Client  # noqa: E402
+from pdserve.demo_model import ensure_demo_model  # noqa: E402
+from pdserve.engine.sampling_params import SamplingParams  # noqa: E402
+from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
+from pdserve.proto import worker_pb, worker_pb_grpc  # noqa: E402
+from pdserve.serving.convert import params_to_pb  # noqa: E402
+
+
+def timed(events) -> tuple[float, float, list[float]]:
+    """(ttft, e2e, token arrival times) of an iterator of token batches."""
+    t0 = time.perf_counter()
+    arrivals: list[float] = []
+    for n in events:
+        arrivals.extend([time.perf_counter()] * n)
+    return arrivals[0] - t0, arrivals[-1] - t0, arrivals
+
+
+def via_router(client: Client, prompt, max_tokens):
+    return timed(len(c.token_ids) for c in client.stream(
+        prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=120)
+        if c.token_ids)
+
+
+def direct(stub, prompt, max_tokens, i):
+    req = worker_pb.DecodeRequest(
+        request_id=f"direct-{i}", prompt_token_ids=prompt, seed=0, local_prefill=True,
+        sampling=params_to_pb(SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                             ignore_eos=True)))
+    return timed(len(ev.tokens.token_ids) for ev in stub.Decode(req, timeout=120)
+                 if ev.WhichOneof("event") == "tokens")
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--prompt-tokens", type=int, default=24)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--output", default="bench/results/router_overhead.json")
+    a = ap.parse_args()
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 4000) for _ in range(a.prompt_tokens)]
+               for _ in range(a.requests)]
+    res = {"router": [], "direct": []}
+    with tempfile.TemporaryDirectory() as logs:
+        spec = ClusterSpec(model=str(ensure_demo_model()), port=0, num_prefill=0,
+                           log_dir=logs, worker_args=("--dtype", "float32"))
+        with LocalCluster(spec) as cluster, Client(cluster.address) as client, \
+                grpc.insecure_channel(cluster.workers("decode")[0].info["address"]) as ch:
+            stub = worker_pb_grpc.WorkerStub(ch)
+            via_router(client, prompts[0], 4)
+            direct(stub, prompts[0], 4, -1)
+            for i, p in enumerate(prompts):  # alternate, so load drifts hit both paths
+                res["router"].append(via_router(client, p, a.max_tokens))
+                res["direct"].append(direct(stub, p, a.max_tokens, i))
+    rows, summary = [], {}
+    for path, runs in res.items():
+        itl = [(e2e - ttft) / (a.max_tokens - 1) for ttft, e2e, _ in runs]
+        row = {"path": path, "ttft_p50_ms": pct([r[0] for r in runs], 0.5) * 1e3,
+               "ttft_p99_ms": pct([r[0] for r in runs], 0.99) * 1e3,
+               "e2e_p50_ms": pct([r[1] for r in runs], 0.5) * 1e3,
+               "e2e_p99_ms": pct([r[1] for r in runs], 0.99) * 1e3,
+               "itl_mean_ms": statistics.mean(itl) * 1e3}
+        rows.append(row)
+        summary[path] = row
+    r, d = summary["router"], summary["direct"]
+    added = {"path": "router adds", "ttft_p50_ms": r["ttft_p50_ms"] - d["ttft_p50_ms"],
+             "ttft_p99_ms": r["ttft_p99_ms"] - d["ttft_p99_ms"],
+             "e2e_p50_ms": r["e2e_p50_ms"] - d["e2e_p50_ms"],
+             "e2e_p99_ms": r["e2e_p99_ms"] - d["e2e_p99_ms"],
+             "itl_mean_ms": r["itl_mean_ms"] - d["itl_mean_ms"]}
+    rows.append(added)
+    share = added["itl_mean_ms"] / d["itl_mean_ms"]
+    print(f"\nRouter overhead, {a.requests} requests x {a.prompt_tokens}-token prompts, "
+          f"{a.max_tokens} new tokens")
+    print_table(rows, ["path", "ttft_p50_ms", "ttft_p99_ms", "e2e_p50_ms", "e2e_p99_ms",
+                       "itl_mean_ms"])
+    print(f"router share of ITL: {share:.2%}")
+    print(f"\nwrote {write_json(a.output, {'rows': rows, 'itl_share': share})}")
+
+
+if __name__ == "__main__":
+    main()
