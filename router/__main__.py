@@ -75,6 +75,8 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model-id", default="")
     p.add_argument("--local-prefill-tokens", type=int, default=32)
+    p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
+                   help="worker choice: KV-aware (default) or round-robin (a baseline)")
     p.add_argument("--max-inflight", type=int, default=1024)
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI HTTP API port (0 = any free port, -1 = no HTTP API)")
@@ -88,7 +90,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     return RouterConfig(
         model=a.model, prefill=tuple(x for x in a.prefill.split(",") if x),
         decode=tuple(x for x in a.decode.split(",") if x), host=a.host, port=a.port,
-        model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens,
+        model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens), http
 
 

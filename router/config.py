@@ -17,6 +17,8 @@ class RouterConfig:
     port: int = 50051
     model_id: str = ""
     """Name served in ListModels (default: the checkpoint directory's name)."""
+    routing: str = "kv"
+    """kv (KV-aware, the default) or round-robin (a baseline for comparison)."""
     local_prefill_tokens: int = 32
     """Uncached prompts up to this many tokens are prefilled by the decode worker itself."""
     max_inflight: int = 1024

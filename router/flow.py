@@ -63,11 +63,15 @@ class FlowTimings:
 
 class Flow:
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, local_prefill_tokens: int,
-                 rng: random.Random) -> None:
+                 rng: random.Random, routing: str = "kv") -> None:
+        if routing not in ("kv", "round-robin"):
+            raise ValueError(f"routing must be 'kv' or 'round-robin', got {routing!r}")
         self.prefill = prefill
         self.decode = decode
         self.local_prefill_tokens = local_prefill_tokens
         self.rng = rng
+        self.routing = routing
+        self._turn = {"prefill": 0, "decode": 0}  # round-robin cursors
 
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
                   timings: FlowTimings) -> AsyncIterator[TokenEvent | FinishEvent]:
@@ -180,9 +184,18 @@ class Flow:
         hashes = chain_hashes(prompt, info.block_size, info.hash_extra)
         return self.decode.prefix.match(hashes) if hashes else {}
 
+    def _round_robin(self, role: str, healthy: list[WorkerHandle]) -> int | None:
+        if not healthy:
+            return None
+        self._turn[role] += 1
+        return self._turn[role] % len(healthy)
+
     def _pick_decode(self, matches: dict[str, PrefixMatch]) -> WorkerHandle:
         healthy = self.decode.healthy()
-        i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(healthy)])
+        if self.routing == "round-robin":
+            i = self._round_robin("decode", healthy)
+        else:
+            i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(healthy)])
         if i is None:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
         return healthy[i]
@@ -190,8 +203,11 @@ class Flow:
     def _pick_prefill(self, prompt_tokens: int, matches: dict[str, PrefixMatch]
                       ) -> WorkerHandle:
         healthy = self.prefill.healthy()
-        i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(healthy)],
-                                prompt_tokens, self._block_size())
+        if self.routing == "round-robin":
+            i = self._round_robin("prefill", healthy)
+        else:
+            i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(healthy)],
+                                    prompt_tokens, self._block_size())
         if i is None:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
         return healthy[i]

@@ -48,7 +48,7 @@ class Frontend:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
-                         random.Random(uuid.uuid4().int))
+                         random.Random(uuid.uuid4().int), config.routing)
         self.inflight = 0
 
     @property

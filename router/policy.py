@@ -52,11 +52,16 @@ def pick_prefill(loads: Sequence[Load], prompt_tokens: int, block_size: int = 16
     if not loads:
         return None
 
-    def queue(ld: Load) -> int:
-        return ld.queued_tokens + ld.inflight * prompt_tokens
+    def uncached(ld: Load) -> float:
+        return max(prompt_tokens - ld.cached_blocks * block_size, 1.0)
+
+    def queue(ld: Load) -> float:
+        # Requests sent there and not yet answered, assumed to need what this one needs there
+        # (requests that share a prefix tend to go to the same worker).
+        return ld.queued_tokens + ld.inflight * uncached(ld)
 
     def work(ld: Load) -> float:
-        return max(prompt_tokens - ld.cached_blocks * block_size, 1.0) + queue(ld)
+        return uncached(ld) + queue(ld)
 
     floor = min(queue(ld) for ld in loads)
     eligible = [ld for ld in loads if queue(ld) <= floor + max_imbalance_tokens]
