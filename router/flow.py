@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kv_store.index.events import Tier
 from kv_store.index.prefix import PrefixMatch
 from pdserve.block_hash import chain_hashes
 from pdserve.proto import pb, worker_pb
@@ -80,6 +81,7 @@ class Flow:
         timings.start = time.perf_counter()
         matches = self._matches(req.prompt_token_ids)
         d = self._pick_decode(matches)
+        self._expect_blocks(d, req.prompt_token_ids)
         d_cached = matches[d.address].blocks if d.address in matches else 0
         remote = policy.prefill_remotely(len(req.prompt_token_ids),
                                          d_cached * self._block_size(),
@@ -112,6 +114,7 @@ class Flow:
                        timings: FlowTimings, matches: dict
                        ) -> tuple[TokenEvent, WorkerHandle]:
         p = self._pick_prefill(len(req.prompt_token_ids), matches)
+        self._expect_blocks(p, req.prompt_token_ids)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
                                     skip_blocks=ready.cached_blocks)
         p.inflight += 1
@@ -178,11 +181,23 @@ class Flow:
 
     def _matches(self, prompt: list[int]) -> dict[str, PrefixMatch]:
         """Leading blocks of the prompt each worker holds, per the KV index (a hint)."""
+        hashes = self._hashes(prompt)
+        return self.decode.prefix.match(hashes) if hashes else {}
+
+    def _hashes(self, prompt: list[int]) -> list[bytes]:
         info = next((w.info for w in self.decode.workers if w.info is not None), None)
         if info is None or not info.hash_extra:
-            return {}
-        hashes = chain_hashes(prompt, info.block_size, info.hash_extra)
-        return self.decode.prefix.match(hashes) if hashes else {}
+            return []
+        return chain_hashes(prompt, info.block_size, info.hash_extra)
+
+    def _expect_blocks(self, worker: WorkerHandle, prompt: list[int]) -> None:
+        """Record at once that `worker` is about to hold this prompt's blocks. The worker's
+        own events confirm (or a snapshot corrects) this a poll later; without it, a burst of
+        requests for a new prefix would be spread before the index learns where it went."""
+        if self.routing == "kv":
+            hashes = self._hashes(prompt)
+            if hashes:
+                self.decode.prefix.store(worker.address, hashes, Tier.DEVICE)
 
     def _round_robin(self, role: str, healthy: list[WorkerHandle]) -> int | None:
         if not healthy:
