@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 
 from decode_worker.service import DecodeService, expire_loop
 from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVReceiver, TransferConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.proto import worker_pb, worker_pb_grpc
+from pdserve.proto import worker_pb
 from pdserve.serving.engine_loop import EngineLoop
-from pdserve.serving.grpc_server import start_server
 from pdserve.serving.worker_base import (
     announce_ready,
-    configure_process,
+    run_worker,
     start_telemetry,
+    start_worker_server,
     wait_for_signal,
 )
-from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
+from pdserve.serving.worker_options import WorkerOptions
 
 
 async def serve(options: WorkerOptions) -> None:
@@ -34,11 +33,7 @@ async def serve(options: WorkerOptions) -> None:
                          *service.follower_endpoints()]
     loop.start()
     telemetry = start_telemetry(options, service)
-    server = await start_server(
-        options.host, options.port,
-        lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
-        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
-        interceptors=[telemetry.interceptor])
+    server = await start_worker_server(options, service, [telemetry.interceptor])
     expiry = asyncio.create_task(expire_loop(service))
     announce_ready({"role": "decode", "worker_id": options.worker_id,
                     "address": f"{options.host}:{server.port}", "kv_address": receiver.address,
@@ -57,11 +52,7 @@ async def serve(options: WorkerOptions) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="decode_worker")
-    add_worker_args(parser)
-    options = options_from_args("decode", parser.parse_args(argv))
-    configure_process(options)
-    asyncio.run(serve(options))
+    run_worker("decode", serve, argv)
 
 
 if __name__ == "__main__":

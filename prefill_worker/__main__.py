@@ -2,23 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 
 from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVSender, TransferConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
-from pdserve.serving.grpc_server import start_server
 from pdserve.serving.worker_base import (
     announce_ready,
-    configure_process,
+    run_worker,
     start_telemetry,
+    start_worker_server,
     wait_for_signal,
 )
-from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
+from pdserve.serving.worker_options import WorkerOptions
 from prefill_worker.kv_streamer import KVStreamer
 from prefill_worker.service import PrefillService
 
@@ -36,11 +34,7 @@ async def serve(options: WorkerOptions) -> None:
     loop.set_step_fn(service.step)
     loop.start()
     telemetry = start_telemetry(options, service)
-    server = await start_server(
-        options.host, options.port,
-        lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
-        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
-        interceptors=[telemetry.interceptor])
+    server = await start_worker_server(options, service, [telemetry.interceptor])
     announce_ready({"role": "prefill", "worker_id": options.worker_id,
                     "address": f"{options.host}:{server.port}", **telemetry.ready_info()})
 
@@ -56,11 +50,7 @@ async def serve(options: WorkerOptions) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="prefill_worker")
-    add_worker_args(parser)
-    options = options_from_args("prefill", parser.parse_args(argv))
-    configure_process(options)
-    asyncio.run(serve(options))
+    run_worker("prefill", serve, argv)
 
 
 if __name__ == "__main__":

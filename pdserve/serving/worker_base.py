@@ -7,6 +7,7 @@ can bind port 0 and no port is ever guessed.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import faulthandler
 import json
@@ -26,7 +27,8 @@ from pdserve.observability.telemetry import WorkerTelemetry
 from pdserve.observability.worker_metrics import WorkerSnapshot
 from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
-from pdserve.serving.worker_options import WorkerOptions
+from pdserve.serving.grpc_server import RunningServer, start_server
+from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PDSERVE_READY "
@@ -125,3 +127,23 @@ async def wait_for_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await cleanup()
+
+
+async def start_worker_server(options: WorkerOptions, service: WorkerServicerBase,
+                              interceptors=()) -> RunningServer:
+    """The worker's gRPC server (Worker service, health, reflection) on its host and port."""
+    return await start_server(
+        options.host, options.port,
+        lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
+        [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
+        interceptors=interceptors)
+
+
+def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
+               argv: list[str] | None = None) -> None:
+    """Entry point of a worker role: parse the shared flags, set up the process, serve."""
+    parser = argparse.ArgumentParser(prog=f"{role}_worker")
+    add_worker_args(parser)
+    options = options_from_args(role, parser.parse_args(argv))
+    configure_process(options)
+    asyncio.run(serve(options))
