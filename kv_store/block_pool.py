@@ -9,8 +9,11 @@ at no cost, or evicted (its hash dropped) when the list hands it out for new dat
                   ▲                            │
                   └──────(prefix hit)──────────┘
 
-The free list is an OrderedDict used as a linked list: O(1) pop of the LRU head, O(1) removal
-of a cached block taken back by a hit, O(1) append. Callers free a request's blocks tail first,
+The free list is two OrderedDicts used as linked lists, read as one: uncached free blocks
+(handed out first: they hold nothing reusable) followed by cached-free blocks in LRU order.
+O(1) pop of the head, O(1) removal of a cached block taken back by a hit, O(1) append, and
+`eviction_candidates(n)` reads the next n cached blocks to be evicted in O(n) (the tier
+manager copies them to host memory ahead of time). Callers free a request's blocks tail first,
 so the deepest blocks of a prefix are evicted before its shared root.
 """
 
@@ -19,6 +22,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
+
+
+@dataclass(frozen=True)
+class CachedBlock:
+    """A cached-free block as seen by `eviction_candidates`: still on the device, reusable."""
+
+    block_id: int
+    block_hash: bytes
+    token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -49,7 +62,9 @@ class BlockPool:
         self._hash: list[bytes | None] = [None] * num_blocks
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._by_hash: dict[bytes, int] = {}
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # The free list, head first: every uncached free block, then the cached-free ones.
+        self._free_new: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
         # Sees a cached block's id, hash and tokens just before `allocate` reuses it, while
         # its KV is still intact (the tier manager copies it to host memory there).
         self._on_evict: Callable[[int, bytes, tuple[int, ...]], None] | None = None
@@ -62,11 +77,11 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Blocks that can be allocated now (cached-free blocks included)."""
-        return len(self._free)
+        return len(self._free_new) + len(self._free_cached)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     @property
     def num_cached(self) -> int:
@@ -77,7 +92,7 @@ class BlockPool:
         return self._ref[block_id]
 
     def is_idle(self) -> bool:
-        return len(self._free) == self.num_blocks and not any(self._ref)
+        return self.num_free == self.num_blocks and not any(self._ref)
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> int | None:
         """The block holding exactly these tokens under this hash, without taking it."""
@@ -86,15 +101,28 @@ class BlockPool:
             return None
         return block
 
+    def eviction_candidates(self, n: int) -> list[CachedBlock]:
+        """The next `n` (or fewer) cached-free blocks in the order `allocate` would evict them.
+        A pure read in O(n): uncached free blocks, which go first, are skipped for free."""
+        out = []
+        for block in islice(self._free_cached, max(0, n)):
+            h, tokens = self._hash[block], self._tokens[block]
+            assert h is not None and tokens is not None
+            out.append(CachedBlock(block, h, tokens))
+        return out
+
     # -- mutations -----------------------------------------------------------------------
     def allocate(self, n: int) -> list[int] | None:
         """Take `n` blocks (ref 1 each), evicting LRU cached-free ones; None if too few."""
-        if n > len(self._free):
+        if n > self.num_free:
             return None
         blocks = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
-            self._evict(block, demote=True)
+            if self._free_new:
+                block, _ = self._free_new.popitem(last=False)
+            else:
+                block, _ = self._free_cached.popitem(last=False)
+                self._evict(block, demote=True)
             self._ref[block] = 1
             blocks.append(block)
         return blocks
@@ -102,7 +130,8 @@ class BlockPool:
     def take(self, block_id: int) -> None:
         """Add a reference to a block found by `lookup` (prefix hit)."""
         if self._ref[block_id] == 0:
-            del self._free[block_id]
+            self._free_cached.pop(block_id, None)
+            self._free_new.pop(block_id, None)
         self._ref[block_id] += 1
 
     def free(self, block_ids: Sequence[int]) -> None:
@@ -113,10 +142,12 @@ class BlockPool:
                 raise RuntimeError(f"double free of block {block}")
             self._ref[block] = ref - 1
             if ref == 1:
-                self._free[block] = None
                 if self._hash[block] is None:
                     # Uncached blocks hold nothing reusable: hand them out first.
-                    self._free.move_to_end(block, last=False)
+                    self._free_new[block] = None
+                    self._free_new.move_to_end(block, last=False)
+                else:
+                    self._free_cached[block] = None
 
     def cache_block(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
         """Publish a full, computed block under its content hash (first writer wins)."""
@@ -129,13 +160,18 @@ class BlockPool:
         self._hash[block_id] = block_hash
         self._tokens[block_id] = tuple(token_ids)
         self._by_hash[block_hash] = block_id
+        if block_id in self._free_new:  # cached while free: it becomes an eviction candidate
+            del self._free_new[block_id]
+            self._free_cached[block_id] = None
         if self._on_event:
             self._on_event(BlockEvent("stored", block_hash))
 
     def reset_cache(self) -> None:
         """Forget every cached hash of free blocks (e.g. after weights change)."""
-        for block in list(self._free):
+        for block in list(self._free_cached):
             self._evict(block)
+            del self._free_cached[block]
+            self._free_new[block] = None
 
     def _evict(self, block: int, demote: bool = False) -> None:
         h = self._hash[block]

@@ -4,7 +4,12 @@
          ▲                     │                    │
          └──── promote (load, when faster than recompute: `policy.plan_load`) ◄──┘
 
-`TierManager` is the only object the engine talks to; the stores know nothing of the device.
+Between steps, the blocks next in line for device eviction are copied to host ahead of time
+(`TierManager.demote_ahead`), so their eviction later costs no copy.
+
+`TierManager` is the only object the engine talks to (with tensor parallelism, through
+`pdserve.engine.tp.tiers.MirroredTiers`, which replays it on every rank); the stores know
+nothing of the device.
 """
 
 from kv_store.tiers.host import HostStore

@@ -1,6 +1,8 @@
 """The tier manager: moves whole blocks between the device cache and the host / SSD stores.
 
     demote  (device pool evicts a cached block)  device ─copy─► host   (host full: LRU ─► SSD)
+    demote ahead (between steps)  the next blocks in eviction order ─copy─► host, kept on the
+            device too, so their eviction later finds them in host and copies nothing
     promote (prefix lookup continues past device hits)  host | SSD ─copy─► fresh device blocks
     prefetch (hint from the router)                     SSD ─► host, in the background
 
@@ -22,10 +24,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kv_store.block_pool import BlockEvent
+from kv_store.block_pool import BlockEvent, CachedBlock
 from kv_store.index.events import Tier
 from kv_store.tiers.host import HostStore
-from kv_store.tiers.policy import BandwidthModel, plan_load
+from kv_store.tiers.policy import BandwidthModel, demote_ahead_window, plan_load
 from kv_store.tiers.ssd import SSDStore
 
 TierEventFn = Callable[[BlockEvent, Tier], None]
@@ -67,16 +69,50 @@ class TierManager:
 
     # -- demotion (device → host → SSD) --------------------------------------------------
     def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        """`BlockPool` eviction hook: keep the block's bytes before the device slot is reused."""
+        """`BlockPool` eviction hook: keep the block's bytes before the device slot is reused.
+        A block already in host (demoted ahead) is only marked most recently used there."""
         if self.host is not None:
             if self.host.put_with(block_hash, token_ids, lambda s: self._d2h(block_id, s)):
                 self._count("kv_tier_host_bytes_in", self.block_bytes)
+                self._count("kv_tier_demote_copies")
                 self._publish("stored", block_hash, Tier.HOST)
+            else:
+                self._count("kv_tier_demote_found_in_host")
         elif self.ssd is not None and block_hash not in self.ssd:
             slot = torch.empty(self.block_bytes, dtype=torch.uint8)
             self._d2h(block_id, slot)
             self._sync_copies()
             self._ssd_write(block_hash, token_ids, slot)
+
+    def ahead_window(self, configured: int) -> int:
+        """How many of the next blocks in eviction order `demote_ahead` may look at."""
+        return 0 if self.host is None else demote_ahead_window(configured, self.host.num_slots)
+
+    def demote_ahead(self, blocks: Sequence[CachedBlock], max_blocks: int) -> list[CachedBlock]:
+        """Copy up to `max_blocks` of `blocks` (cached-free device blocks, next in line for
+        eviction) to the host tier now, leaving them on the device; skips blocks already in
+        host. Returns the blocks copied. Their eviction later costs no copy (see `demote`)."""
+        done: list[CachedBlock] = []
+        if self.host is None:
+            return done
+        for b in blocks:
+            if len(done) >= max_blocks:
+                break
+            if b.block_hash in self.host:
+                continue
+            if self.host.put_with(b.block_hash, b.token_ids,
+                                  lambda s, i=b.block_id: self._d2h(i, s)):
+                done.append(b)
+                self._publish("stored", b.block_hash, Tier.HOST)
+        self._count("kv_tier_demoted_ahead", len(done))
+        self._count("kv_tier_host_bytes_in", len(done) * self.block_bytes)
+        return done
+
+    def touch(self, hashes: Sequence[bytes]) -> None:
+        """Mark host blocks most recently used, in order (absent ones are skipped)."""
+        if self.host is not None:
+            for h in hashes:
+                self.host.touch(h)
 
     def _host_evicted(self, block_hash: bytes, tokens: tuple[int, ...],
                       slot: torch.Tensor) -> None:

@@ -45,6 +45,13 @@ def plan_load(tiers: Sequence[Tier], block_bytes: int, block_tokens: int,
 _PROBE_GAIN = 1e-9
 
 
+def demote_ahead_window(configured: int, host_slots: int) -> int:
+    """How many of the next device blocks in eviction order are kept copied in host memory
+    ahead of time: at most a quarter of the host tier, so that copies made ahead (some of
+    which a prefix hit takes back before eviction) never churn the host tier's LRU."""
+    return max(0, min(configured, host_slots // 4))
+
+
 class EMA:
     """Exponential moving average of a rate; None until the first sample."""
 

@@ -45,12 +45,18 @@ class EngineConfig:
     """Name under which the model is served and hashed (default: the directory name)."""
     kv_host_gb: float = 0.0
     """Host-memory KV tier (GiB, pinned on CUDA): blocks evicted from the device cache are
-    kept here and loaded back on a prefix hit (0 = off). Needs prefix caching, TP=1."""
+    kept here and loaded back on a prefix hit (0 = off). Needs prefix caching. With TP > 1
+    every rank keeps its own head slice of each block (this much memory per rank)."""
     kv_ssd_dir: str | None = None
-    """Directory of the SSD KV tier's segment files (deleted and recreated at start)."""
+    """Directory of the SSD KV tier's segment files (deleted and recreated at start); with
+    TP > 1 each rank uses its own subdirectory `rank<r>`."""
     kv_ssd_gb: float = 0.0
     """SSD KV tier capacity (GiB; 0 = off): blocks evicted from the host tier (or from the
     device when there is no host tier) land here, checksummed."""
+    kv_demote_ahead_blocks: int = 32
+    """How many of the next cached-free device blocks in eviction order are copied to the host
+    tier ahead of time, between steps, so evicting them later costs no copy (0 = off; capped
+    at a quarter of the host tier)."""
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -82,10 +88,10 @@ def _check_tiers(cfg: EngineConfig) -> None:
     if (cfg.kv_ssd_gb > 0) != (cfg.kv_ssd_dir is not None):
         raise ValueError("kv_ssd_dir and kv_ssd_gb must be set together "
                          f"(got kv_ssd_dir={cfg.kv_ssd_dir!r}, kv_ssd_gb={cfg.kv_ssd_gb})")
+    ahead = cfg.kv_demote_ahead_blocks
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+        raise ValueError(f"kv_demote_ahead_blocks must be an integer >= 0, got {ahead!r}")
     if cfg.kv_host_gb > 0 or cfg.kv_ssd_gb > 0:
-        if cfg.tensor_parallel_size > 1:
-            # Each rank holds a head slice of every block; per-rank tiers are not built yet.
-            raise ValueError("kv_host_gb / kv_ssd_gb (KV tiers) require "
-                             "tensor_parallel_size=1")
+        # TP > 1 is fine: every rank keeps its own tiers for its head slice, rank 0 decides.
         if not cfg.enable_prefix_caching:
             raise ValueError("kv_host_gb / kv_ssd_gb (KV tiers) require enable_prefix_caching")

@@ -7,6 +7,7 @@ offline use. A `layer_hook` passed to `step()` runs after each layer's KV is wri
 from __future__ import annotations
 
 import json
+import os
 import random
 import time
 from collections.abc import Sequence
@@ -33,6 +34,10 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
 from pdserve.engine.stop import apply_stop_rules
+
+# Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
+DEMOTE_AHEAD_PER_STEP = 2
+DEMOTE_AHEAD_WHEN_IDLE = 16
 
 
 class LLMEngine:
@@ -72,10 +77,7 @@ class LLMEngine:
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         kv_key = f"{self.kv_dtype}|w={config.quantization or 'none'}"
-        # Host / SSD tiers below the device cache (None when not configured).
-        self.tiers = TierManager.create(
-            caches, config.block_size, config.kv_host_gb, config.kv_ssd_dir, config.kv_ssd_gb,
-            on_event=on_block_event)
+        self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:
             self.pool.set_evict_listener(self.tiers.demote)
         kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size),
@@ -137,6 +139,7 @@ class LLMEngine:
     def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            self.idle_tick()  # e.g. every request waits for KV: use the pause
             return []
         sampled, logprobs = self.execute(plan, layer_hook)
         return self.apply_results(plan, sampled, logprobs)
@@ -184,7 +187,28 @@ class LLMEngine:
                 max(req.num_cached_tokens, 0), len(req.output_token_ids)))
         if self.spec is not None:
             self.spec.propose(self.scheduler)  # drafts for the next step
+        self.demote_ahead(DEMOTE_AHEAD_PER_STEP)  # every step path ends here
         return outputs
+
+    # -- between steps -------------------------------------------------------------------
+    def demote_ahead(self, max_blocks: int) -> int:
+        """Copy up to `max_blocks` of the cached-free blocks next in line for eviction to the
+        host tier, keeping them on the device; returns how many were copied (mutates the
+        tiers; with TP the followers' copies travel with the next control message)."""
+        if self.tiers is None or max_blocks <= 0:
+            return 0
+        window = self.tiers.ahead_window(self.config.kv_demote_ahead_blocks)
+        if window == 0:
+            return 0
+        return len(self.tiers.demote_ahead(self.pool.eviction_candidates(window), max_blocks))
+
+    def idle_tick(self) -> int:
+        """Background work for a pause between steps: a larger ahead-demotion budget, sent to
+        the followers at once. Returns the blocks copied (0: nothing left to do)."""
+        n = self.demote_ahead(DEMOTE_AHEAD_WHEN_IDLE)
+        if n and self.tp_driver is not None:
+            self.tp_driver.flush_tier_ops()
+        return n
 
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk]
                        ) -> tuple[list[SamplingRow], list[str]]:
@@ -244,6 +268,21 @@ class LLMEngine:
         else:
             budget = 2**30
         return max(1, int(budget // per_block))
+
+    def _build_tiers(self, caches: list[torch.Tensor], on_block_event):
+        """Host / SSD tiers below the device cache (None when not configured). With TP every
+        rank has its own (SSD in `<kv_ssd_dir>/rank<r>`); rank 0 mirrors its operations."""
+        cfg = self.config
+        ssd_dir = cfg.kv_ssd_dir
+        if ssd_dir is not None and self.tp.size > 1:
+            ssd_dir = os.path.join(ssd_dir, f"rank{self.tp.rank}")
+        tiers = TierManager.create(caches, cfg.block_size, cfg.kv_host_gb, ssd_dir,
+                                   cfg.kv_ssd_gb, on_event=on_block_event)
+        if tiers is not None and self.tp_driver is not None:
+            from pdserve.engine.tp.tiers import MirroredTiers
+
+            return MirroredTiers(tiers, self.tp_driver)
+        return tiers
 
     def _allocate_caches(self, model: torch.nn.Module, num_blocks: int) -> list[torch.Tensor]:
         shape = self._kv_shape(model, num_blocks)

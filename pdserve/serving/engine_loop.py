@@ -6,6 +6,10 @@ from an asyncio queue that the engine thread feeds through `call_soon_threadsafe
 
     handler ──call(fn)──► command queue ──(between steps)──► fn(engine) ──► future result
     engine thread: loop { run commands; if work: step(); push outputs to per-request queues }
+
+When it has no work, the engine thread spends the pause on `engine.idle_tick()` (KV blocks
+next in line for eviction are copied to the host tier ahead of time) until that reports
+nothing left, and only then blocks waiting for commands.
 """
 
 from __future__ import annotations
@@ -89,7 +93,9 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished())
+                idle = not self.engine.has_unfinished()
+                worked = idle and self.engine.idle_tick() > 0
+                self._drain_commands(block=idle and not worked)
                 self.stats = self.engine.stats()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue

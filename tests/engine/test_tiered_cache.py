@@ -129,12 +129,50 @@ def test_slow_tier_is_recomputed_instead_of_loaded(setup, tmp_path):
     llm.engine.close()
 
 
-def test_tiers_with_tensor_parallel_are_refused(tiny_llama):
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        EngineConfig(model=str(tiny_llama), kv_host_gb=1.0, tensor_parallel_size=2)
+def test_tier_options_are_validated(tiny_llama):
+    # Tiers and tensor parallelism combine (tests/engine/test_tiered_tp.py runs them).
+    EngineConfig(model=str(tiny_llama), kv_host_gb=1.0, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_ssd_dir"):
         EngineConfig(model=str(tiny_llama), kv_ssd_gb=1.0)
+    with pytest.raises(ValueError, match="kv_demote_ahead_blocks"):
+        EngineConfig(model=str(tiny_llama), kv_host_gb=1.0, kv_demote_ahead_blocks=-1)
     assert LLMEngine  # the engine module imports with tiers wired in
+
+
+def test_demotion_ahead_copies_next_evictions_once_and_eviction_copies_nothing(setup, tmp_path):
+    _, _, prompts, ref = setup
+    llm, _ = _tiered(setup, tmp_path, 64, 0)  # 64 host slots: an ahead window of 16 blocks
+    host_events: list[tuple[str, bytes]] = []
+    llm.engine.tiers._on_event = lambda ev, tier: (
+        host_events.append((ev.kind, ev.block_hash)) if tier is Tier.HOST else None)
+    engine, pool, tiers = llm.engine, llm.engine.pool, llm.engine.tiers
+    assert llm.generate([prompts[0]], GREEDY)[0].token_ids == ref[0]
+    while engine.idle_tick():  # idle ticks until nothing is left to copy
+        pass
+    ahead = pool.eviction_candidates(16)
+    n = len(ahead)
+    assert n == 6  # 22 prompt + 3 computed output tokens: 6 full blocks, all cached-free
+    for b in ahead:  # in host, and still on the device
+        assert tiers.host.has(b.block_hash, b.token_ids)
+        assert pool.lookup(b.block_hash, b.token_ids) == b.block_id
+    stats = engine.stats()
+    assert stats["kv_tier_demoted_ahead"] == n
+    assert stats.get("kv_tier_demote_copies", 0) == 0
+    copied_before = stats["kv_tier_host_bytes_in"]
+
+    outs = [llm.generate([p], GREEDY)[0].token_ids for p in prompts[1:]]  # evicts prompt 0
+    assert outs == ref[1:]
+    assert all(pool.lookup(b.block_hash, b.token_ids) is None for b in ahead)
+    stats = engine.stats()
+    assert stats["kv_tier_demote_found_in_host"] >= n  # their eviction copied nothing
+    new_copies = stats.get("kv_tier_demote_copies", 0) + stats["kv_tier_demoted_ahead"] - n
+    assert stats["kv_tier_host_bytes_in"] - copied_before == new_copies * tiers.block_bytes
+    for b in ahead:  # one HOST "stored" event per block, none at its eviction
+        assert host_events.count(("stored", b.block_hash)) == 1
+    assert llm.generate([prompts[0]], GREEDY)[0].token_ids == ref[0]
+    assert engine.stats()["kv_tier_host_hits"] >= 5
+    assert_idle(llm)
+    llm.engine.close()
 
 
 def test_prefetch_promotes_ssd_blocks_into_host(setup, tmp_path):

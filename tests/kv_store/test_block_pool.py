@@ -71,3 +71,35 @@ def test_caching_disabled_publishes_nothing():
     pool.cache_block(b, b"x", [9])
     assert pool.lookup(b"x", [9]) is None
     pool.free([b])
+
+
+def test_eviction_candidates_follow_allocate_order_and_skip_uncached():
+    pool = BlockPool(5, block_size=1)
+    a, b, c, d = pool.allocate(4)
+    for blk, h in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.cache_block(blk, h, [blk])
+    pool.free([c, a, d, b])  # d is uncached: handed out first, never a candidate
+    cands = pool.eviction_candidates(10)
+    assert [(x.block_id, x.block_hash, x.token_ids) for x in cands] == [
+        (c, b"c", (c,)), (a, b"a", (a,)), (b, b"b", (b,))]
+    assert [x.block_id for x in pool.eviction_candidates(2)] == [c, a]
+    assert pool.eviction_candidates(0) == []
+    assert pool.num_free == 5 and pool.lookup(b"c", [c]) == c  # a pure read
+    pool.take(a)  # a prefix hit takes a candidate back
+    assert [x.block_id for x in pool.eviction_candidates(10)] == [c, b]
+    got = pool.allocate(3)  # the two uncached blocks first, then the first candidate
+    assert got is not None and set(got[:2]) == {d, 4} and got[2] == c
+
+
+def test_reset_cache_and_caching_a_free_block_keep_the_candidates_right():
+    evicted = []
+    pool = BlockPool(3, block_size=1)
+    pool.set_evict_listener(lambda blk, h, t: evicted.append(h))
+    x, y = pool.allocate(2)
+    pool.cache_block(x, b"x", [1])
+    pool.free([x, y])
+    pool.cache_block(y, b"y", [2])  # cached while free: joins the candidates' tail
+    assert [c.block_hash for c in pool.eviction_candidates(5)] == [b"x", b"y"]
+    pool.reset_cache()
+    assert pool.eviction_candidates(5) == [] and pool.num_cached == 0
+    assert pool.allocate(3) is not None and evicted == []  # nothing cached left to demote

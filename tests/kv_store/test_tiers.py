@@ -7,9 +7,10 @@ import threading
 import pytest
 import torch
 
+from kv_store.block_pool import CachedBlock
 from kv_store.index.events import Tier
-from kv_store.tiers import HostStore, SSDStore, plan_load, should_load
-from kv_store.tiers.policy import EMA
+from kv_store.tiers import HostStore, SSDStore, TierManager, plan_load, should_load
+from kv_store.tiers.policy import EMA, demote_ahead_window
 
 BB = 64  # block bytes
 BS = 4  # tokens per block
@@ -157,3 +158,42 @@ def test_ema_tracks_rates():
     ema.add(100, 1.0)
     ema.add(300, 1.0)
     assert ema.value == pytest.approx(200.0)
+
+
+def test_demote_ahead_window_is_bounded_by_a_quarter_of_the_host_tier():
+    assert demote_ahead_window(32, 64) == 16
+    assert demote_ahead_window(4, 64) == 4
+    assert demote_ahead_window(32, 3) == 0  # a tiny host tier: no copies ahead
+    assert demote_ahead_window(0, 64) == 0
+
+
+# -- demotion ahead of eviction --------------------------------------------------------------
+def _manager(events: list) -> tuple[TierManager, torch.Tensor]:
+    cache = torch.arange(6 * 2 * 8, dtype=torch.float32).reshape(6, 2, 8)  # 64 B per block
+    tiers = TierManager([cache], BS, host_bytes=4 * 64,
+                        on_event=lambda ev, tier: events.append((ev.kind, ev.block_hash, tier)))
+    return tiers, cache
+
+
+def test_demote_ahead_copies_once_and_eviction_then_copies_nothing():
+    events: list = []
+    tiers, cache = _manager(events)
+    blocks = [CachedBlock(i, _h(i), tuple(_toks(i))) for i in range(3)]
+    tiers.host.put(_h(2), _toks(2), torch.zeros(64, dtype=torch.uint8))  # already in host
+    done = tiers.demote_ahead(blocks, max_blocks=1)
+    assert [b.block_id for b in done] == [0]  # the budget: one block per call
+    assert [b.block_id for b in tiers.demote_ahead(blocks, max_blocks=5)] == [1]  # 2 skipped
+    expect = cache[1].reshape(-1).view(torch.uint8)
+    got = []
+    assert tiers.host.read(_h(1), _toks(1), lambda s: got.append(s.clone()))
+    assert torch.equal(got[0], expect)  # the device block's bytes, copied while it stays
+    for b in blocks[:2]:  # their eviction finds them in host: no second copy, no event
+        tiers.demote(b.block_id, b.block_hash, b.token_ids)
+    stats = tiers.stats()
+    assert stats["kv_tier_demoted_ahead"] == 2
+    assert stats["kv_tier_demote_found_in_host"] == 2
+    assert stats.get("kv_tier_demote_copies", 0) == 0
+    assert [(k, h) for k, h, t in events if t is Tier.HOST] == [("stored", _h(0)),
+                                                               ("stored", _h(1))]
+    tiers.demote(3, _h(3), tuple(_toks(3)))  # not ahead: copied at eviction
+    assert tiers.stats()["kv_tier_demote_copies"] == 1

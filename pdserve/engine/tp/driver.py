@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +39,8 @@ class TPDriver:
     def __init__(self, config: EngineConfig, device: torch.device, host: str = "127.0.0.1",
                  follower_args: Sequence[str] = ()) -> None:
         size = config.tensor_parallel_size
+        # KV tier operations waiting to ride in front of the next control message.
+        self._tier_ops: list[list[Any]] = []
         store, port = listen_store(host, JOIN_TIMEOUT_S)
         cfg = json.dumps(dataclasses.asdict(config))
         threads = str(max(1, torch.get_num_threads()))
@@ -75,6 +78,26 @@ class TPDriver:
         self._send(message)
         self.group.control.barrier().wait()
 
+    def queue_tier_op(self, op: list[Any]) -> None:
+        """Queue a KV tier operation (wire form) for the followers: it travels in front of
+        the next control message, so they run it before that message's forward or receive."""
+        self._tier_ops.append(op)
+
+    def flush_tier_ops(self) -> None:
+        """Send the queued tier operations now (e.g. when idle) instead of with the next step."""
+        if self._tier_ops:
+            self._send({"op": "tier"})
+
+    def post(self, message: dict) -> None:
+        """Deliver a message to every follower without waiting for them; a collective that
+        both sides run next (see pdserve.engine.tp.tiers) is how an answer comes back."""
+        self._send(message)
+
+    @property
+    def control(self):
+        """The control group (gloo, CPU tensors) the messages travel on."""
+        return self.group.control
+
     def close(self) -> None:
         if getattr(self, "_closed", True) is False:
             self._closed = True
@@ -91,4 +114,7 @@ class TPDriver:
                 p.wait()
 
     def _send(self, message: dict) -> None:
+        if self._tier_ops:
+            message = {**message, "tier_ops": self._tier_ops}
+            self._tier_ops = []
         broadcast_message(self.group.control, message, 0)

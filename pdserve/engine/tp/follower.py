@@ -28,6 +28,7 @@ import torch.distributed as dist
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.tp.group import TPGroup, join_group
 from pdserve.engine.tp.protocol import broadcast_message, decode_chunks
+from pdserve.engine.tp.tiers import follow as follow_tiers
 
 log = logging.getLogger("tp-follower")
 IDLE_TIMEOUT_S = 7 * 24 * 3600.0  # an idle engine sends nothing; a dead rank 0 resets the socket
@@ -95,8 +96,12 @@ def run(rank: int, size: int, host: str, store_port: int, config: EngineConfig,
     try:
         while True:
             msg = broadcast_message(group.control, None, rank)
+            # Tier operations first: they copy blocks out before this message may overwrite.
+            follow_tiers(engine.tiers, group.control, msg)
             if msg["op"] == "stop":
                 return
+            if msg["op"] == "tier":
+                continue  # answered (reduce / barrier) inside follow_tiers
             if msg["op"] != "step":
                 plugin.on_message(msg)
                 group.control.barrier().wait()  # rank 0 waits until every rank handled it
@@ -106,6 +111,7 @@ def run(rank: int, size: int, host: str, store_port: int, config: EngineConfig,
             plugin.after_step(extra)
     finally:
         plugin.close()
+        engine.close()  # this rank's tiers: pending SSD writes, segment files
 
 
 def main(argv: list[str] | None = None) -> None:

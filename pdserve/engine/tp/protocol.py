@@ -4,6 +4,8 @@
     {"v": VERSION, "op": "step", "chunks": [[token_ids, start, block_ids, num_samples], ...],
                                "extra": {...}}   # e.g. the prefill worker's KV sends
     {"v": VERSION, "op": "stop"}
+    {"v": VERSION, "op": "tier", "call": TierOp wire | absent}   # see pdserve.engine.tp.tiers
+    any message may carry "tier_ops": [TierOp wire, ...], run by followers before the message
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch.distributed as dist
 
 from pdserve.engine.scheduler import ScheduledChunk
 
-# History: 1 - setup / step / stop.
-VERSION = 1
+# History: 1 - setup / step / stop. 2 - "tier" calls and "tier_ops" on any message.
+VERSION = 2
 
 
 def encode_chunks(chunks: Sequence[ScheduledChunk]) -> list[list[Any]]:
