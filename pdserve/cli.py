@@ -1,6 +1,7 @@
 """The `pdserve` command: one entry point for every role.
 
     pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
+               [--redis URL]
     pdserve generate [--target HOST:PORT] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
@@ -10,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -58,6 +60,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-dir", default=None,
                    help="SSD KV tier directory (each worker uses DIR/<worker id>)")
     p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier per worker, GiB")
+    # The name of worker_options.REDIS_URL_ENV, spelled out: the CLI imports nothing heavy.
+    p.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
+                   help="Redis KV index for the router and workers, redis://:password@host:port/db "
+                        "(default: $PDSERVE_REDIS_URL, else the in-process index)")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -86,6 +92,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
                        prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        worker_args=(*a.worker_arg, *_tier_worker_args(a)), log_dir=a.log_dir,
+                       redis_url=a.redis,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port)))
     cluster = LocalCluster(spec)

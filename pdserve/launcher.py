@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdserve.serving.worker_base import READY_PREFIX
+from pdserve.serving.worker_options import REDIS_URL_ENV
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class ClusterSpec:
     log_dir: str | None = None
     """Where children's stderr goes (default: inherit)."""
     env: dict[str, str] = field(default_factory=dict, hash=False)
+    redis_url: str = field(default="", repr=False)
+    """Redis KV index for the router and every worker ("" = the in-process default). Handed
+    to the children as $PDSERVE_REDIS_URL (the default of their `--redis`), so its password
+    never shows in a command line."""
 
 
 @dataclass
@@ -108,9 +113,11 @@ class LocalCluster:
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             stderr = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
+        # Always set: "" must mean "no Redis" even if this process's environment names one.
+        env = {**os.environ, **self.spec.env, REDIS_URL_ENV: self.spec.redis_url}
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=stderr,
-            env={**os.environ, **self.spec.env}, start_new_session=True)
+            env=env, start_new_session=True)
         return Child(name, proc)
 
     def _wait_ready(self, child: Child, timeout_s: float) -> None:

@@ -1,5 +1,6 @@
 """`python -m router --model DIR --prefill H:P[,H:P] --decode H:P[,H:P] [--port 50051]
-[--http-port 8000]`: the gRPC API and, on the same asyncio loop, the OpenAI HTTP API."""
+[--http-port 8000] [--redis URL]`: the gRPC API and, on the same asyncio loop, the OpenAI
+HTTP API. With `--redis`, the workers' cached blocks come from the Redis KV index."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import logging
 import os
 import time
 
-from kv_store.index.prefix import PrefixIndex
+from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.engine.model_config import ModelConfig
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
+from pdserve.serving.worker_options import REDIS_URL_ENV
 from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
@@ -27,12 +29,32 @@ from router.service import PDServeService
 log = logging.getLogger("router")
 
 
+async def open_index(redis_url: str) -> KVIndex | None:
+    """The started Redis KV index to follow (None without a URL); bad credentials end the
+    process with a message that hides the password."""
+    if not redis_url:
+        return None
+    from kv_store.index.redis_common import check_url, masked_url  # redis only when used
+
+    try:
+        index = create_index(check_url(redis_url), follow=True)
+        await index.start()
+    except KVIndexConfigError as exc:
+        raise SystemExit(f"router: --redis: {exc}") from None
+    log.info("KV index: following %s", masked_url(redis_url))
+    return index
+
+
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
+    index = await open_index(cfg.redis_url)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
-    prefix = PrefixIndex()  # one view of every worker's cached blocks, fed by their stats
-    prefill = WorkerPool("prefill", cfg.prefill, cfg.health_period_s, cfg.health_misses, prefix)
-    decode = WorkerPool("decode", cfg.decode, cfg.health_period_s, cfg.health_misses, prefix)
+    # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
+    prefix = index.prefix if index is not None else PrefixIndex()
+    pools = [WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses, prefix,
+                        events_from_stats=index is None)
+             for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode))]
+    prefill, decode = pools
     await asyncio.gather(prefill.start(), decode.start())
     await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
     infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
@@ -61,6 +83,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
             await http.stop()
         await server.server.stop(grace=2)
         await asyncio.gather(prefill.close(), decode.close())
+        if index is not None:
+            await index.close()
 
     await wait_for_signal(cleanup)
 
@@ -81,6 +105,9 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI HTTP API port (0 = any free port, -1 = no HTTP API)")
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
+    p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
+                   help="follow the Redis KV index at URL for the workers' cached blocks "
+                        f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
     a = p.parse_args(argv)
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
@@ -91,7 +118,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         model=a.model, prefill=tuple(x for x in a.prefill.split(",") if x),
         decode=tuple(x for x in a.decode.split(",") if x), host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
-        max_inflight=a.max_inflight, auth_tokens=tokens), http
+        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis), http
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,3 +31,6 @@ class RouterConfig:
     """Consecutive failed polls that take a worker out of its pool."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted on the public API (empty = no auth)."""
+    redis_url: str = field(default="", repr=False)
+    """Redis KV index to follow (`redis://[user]:password@host:port/db`): workers' cached
+    blocks come from its event stream instead of their stats ("" = from their stats)."""

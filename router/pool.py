@@ -2,6 +2,10 @@
 
 A worker that misses `health_misses` polls in a row (or reports NOT_SERVING) leaves its pool
 until it answers again; requests only ever go to healthy workers.
+
+The pools also keep the shared `PrefixIndex` (which prompt blocks each worker holds) up to date
+from the KV events in the workers' stats, unless another source owns it (`events_from_stats`
+False: the Redis KV index, fed by the workers themselves; its leases retire dead workers).
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ class WorkerHandle:
 
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
-                 max_misses: int, prefix: PrefixIndex | None = None) -> None:
+                 max_misses: int, prefix: PrefixIndex | None = None,
+                 events_from_stats: bool = True) -> None:
         opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
         self.role = role
@@ -61,6 +66,8 @@ class WorkerPool:
         # Which prompt blocks each worker holds, fed by the events in its stats (a hint:
         # workers check every hit themselves). Shared by the router's pools.
         self.prefix = prefix if prefix is not None else PrefixIndex()
+        # False: `prefix` belongs to another feed; ask for no events and never edit it.
+        self.events_from_stats = events_from_stats
         self._task: asyncio.Task | None = None
 
     def healthy(self) -> list[WorkerHandle]:
@@ -92,7 +99,7 @@ class WorkerPool:
             log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
         worker.set_healthy(False)
         worker.misses = self.max_misses
-        self.prefix.clear_worker(worker.address)
+        self._forget_blocks(worker)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(w) for w in self.workers))
@@ -106,7 +113,7 @@ class WorkerPool:
         try:
             if w.info is None:
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
-            snapshot = w.needs_snapshot
+            snapshot = w.needs_snapshot and self.events_from_stats
             # Workers answer from a snapshot, so even a busy one replies in milliseconds;
             # the slack covers a starved machine, not a slow engine step.
             stats = await w.stub.GetStats(worker_pb.StatsRequest(kv_snapshot=snapshot),
@@ -117,14 +124,21 @@ class WorkerPool:
                 log.warning("%s worker %s missed %d polls; out of the pool",
                             self.role, w.address, w.misses)
                 w.set_healthy(False)
-                self.prefix.clear_worker(w.address)
+                self._forget_blocks(w)
             return
         w.stats = stats
-        self._apply_kv_events(w, stats.kv_events, snapshot)
+        if self.events_from_stats:
+            self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)
         w.misses = 0
         w.set_healthy(True)
+
+    def _forget_blocks(self, w: WorkerHandle) -> None:
+        """`w` left the pool: drop its blocks if this pool feeds `prefix` (otherwise the feed's
+        owner does, when the lease lapses; routing skips unhealthy workers meanwhile)."""
+        if self.events_from_stats:
+            self.prefix.clear_worker(w.address)
 
     def _apply_kv_events(self, w: WorkerHandle, data: bytes, snapshot: bool) -> None:
         if snapshot:

@@ -10,6 +10,10 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 
+REDIS_URL_ENV = "PDSERVE_REDIS_URL"
+"""Where `--redis` defaults from: a URL with a password is better kept out of command lines
+(visible to every local user in the process table)."""
+
 
 @dataclass(frozen=True)
 class WorkerOptions:
@@ -28,6 +32,10 @@ class WorkerOptions:
     metrics_port: int = 0
     """Port of the Prometheus `/metrics` server, bound to `host` (0 = any free port, announced
     as `metrics_address`; -1 = no metrics server)."""
+    redis_url: str = field(default="", repr=False)
+    """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
+    under its gRPC address and publishes its prefix-cache changes ("" = none: the router
+    reads them from `GetStats`). Carries the password: never logged, never in a repr."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -60,6 +68,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-dir", default=None,
                    help="SSD KV tier directory; this worker uses DIR/<worker id>")
     p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier, GiB (0 = off)")
+    p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
+                   help="publish this worker's KV blocks to the Redis KV index at URL "
+                        f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
 
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
@@ -81,4 +92,4 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
                          f"number, got {a.metrics_port}")
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
-                         metrics_port=a.metrics_port)
+                         metrics_port=a.metrics_port, redis_url=a.redis)

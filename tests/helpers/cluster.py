@@ -16,12 +16,12 @@ from pdserve.proto import worker_pb, worker_pb_grpc
 def start_cluster(model: Path, tmp: Path, prefill: int = 1, decode: int = 1,
                   worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
                   prefill_tp: int = 1, decode_tp: int = 1,
-                  env: dict[str, str] | None = None) -> LocalCluster:
+                  env: dict[str, str] | None = None, redis_url: str = "") -> LocalCluster:
     spec = ClusterSpec(model=str(model), port=0, num_prefill=prefill, num_decode=decode,
                        prefill_tp=prefill_tp, decode_tp=decode_tp,
                        threads_per_worker=1, worker_args=("--dtype", "float32", *worker_args),
                        router_args=router_args, log_dir=str(tmp / "logs"),
-                       env={"OMP_NUM_THREADS": "1", **(env or {})})
+                       env={"OMP_NUM_THREADS": "1", **(env or {})}, redis_url=redis_url)
     return LocalCluster(spec).start()
 
 
