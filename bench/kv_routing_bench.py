@@ -1,18 +1,21 @@
-"""KV-aware routing vs round-robin on a prefix-heavy workload, same cluster shape, one run.
+"""KV-aware routing vs round-robin on a prefix-heavy workload, same cluster shape.
 
-    python bench/kv_routing_bench.py [--num-prompts 48] [--concurrency 4]
+    python bench/kv_routing_bench.py [--num-prompts 48] [--concurrency 4] [--repeats 3]
 
 Two clusters of 2 prefill + 2 decode workers (demo model; each worker's KV cache is smaller
 than all the shared prefixes need, so where a prefix lives matters), one routing with the
 KV-aware policy and one round-robin, each driven by `pdserve bench --dataset prefix` (shared
 system prompts, each followed by a short user part). Reports request throughput, mean and p99
-TTFT and the share of prompt tokens served from cache, and the ratios.
+TTFT and the share of prompt tokens served from cache, and the ratios. With `--repeats N` the
+two policies alternate N times (so slow drift of a shared machine hits both alike); the table
+shows every run's ratios and their median.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,14 +61,22 @@ def main() -> None:
     ap.add_argument("--blocks-per-worker", type=int, default=640,
                     help="KV cache per worker: fewer blocks than all prefixes need, so where a "
                          "prefix lives matters")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--output", default="bench/results/kv_routing.json")
     a = ap.parse_args()
+    rows, ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(r, a, Path(tmp)) for r in ("kv", "round-robin")]
-    kv, rr = rows
-    rows.append({"routing": "kv / round-robin", "req_s": kv["req_s"] / rr["req_s"],
-                 "ttft_mean_ms": kv["ttft_mean_ms"] / rr["ttft_mean_ms"],
-                 "ttft_p99_ms": kv["ttft_p99_ms"] / rr["ttft_p99_ms"]})
+        for i in range(a.repeats):
+            kv = run("kv", a, Path(tmp) / str(i))
+            rr = run("round-robin", a, Path(tmp) / str(i))
+            ratio = {"routing": f"run {i}: kv / round-robin", "req_s": kv["req_s"] / rr["req_s"],
+                     "ttft_mean_ms": kv["ttft_mean_ms"] / rr["ttft_mean_ms"],
+                     "ttft_p99_ms": kv["ttft_p99_ms"] / rr["ttft_p99_ms"]}
+            rows += [kv, rr, ratio]
+            ratios.append(ratio)
+    rows.append({"routing": "median kv / round-robin",
+                 **{k: statistics.median(r[k] for r in ratios)
+                    for k in ("req_s", "ttft_mean_ms", "ttft_p99_ms")}})
     print(f"\nPrefix-heavy workload: {a.num_prompts} prompts, {a.num_prefixes} shared "
           f"{a.prefix_len}-token prefixes + {a.input_len} tokens, concurrency {a.concurrency}")
     print_table(rows, ["routing", "req_s", "ttft_mean_ms", "ttft_p99_ms", "cached_share",

@@ -6,10 +6,11 @@ import asyncio
 
 from decode_worker.service import DecodeService, expire_loop
 from kv_store.index.recorder import BlockRecorder
-from kv_store.transfer import KVReceiver, TransferConfig
+from kv_store.transfer import KVReceiver, KVSender, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb
 from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.worker_base import (
     announce_ready,
     run_worker,
@@ -22,12 +23,14 @@ from pdserve.serving.worker_options import WorkerOptions
 
 async def serve(options: WorkerOptions) -> None:
     recorder = BlockRecorder(options.worker_id)
+    link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(options.engine, on_block_event=recorder.on_block_event,
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
     receiver = KVReceiver(options.host, options.kv_port, service.sink, TransferConfig())
     receiver.start()
+    service.kv_sender = KVSender(TransferConfig())  # serves PushKV: others pull our prefixes
     size = engine.tp.size
     service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),
                          *service.follower_endpoints()]
@@ -35,15 +38,21 @@ async def serve(options: WorkerOptions) -> None:
     telemetry = start_telemetry(options, service)
     server = await start_worker_server(options, service, [telemetry.interceptor])
     expiry = asyncio.create_task(expire_loop(service))
-    announce_ready({"role": "decode", "worker_id": options.worker_id,
-                    "address": f"{options.host}:{server.port}", "kv_address": receiver.address,
-                    **telemetry.ready_info()})
+    address = f"{options.host}:{server.port}"
+    if link is not None:
+        await link.attach(address, worker_info(options, engine, kv_address=receiver.address))
+    announce_ready({"role": "decode", "worker_id": options.worker_id, "address": address,
+                    "kv_address": receiver.address, **telemetry.ready_info()})
 
     async def cleanup() -> None:
         expiry.cancel()
+        if link is not None:
+            await link.close()
         await server.set_serving(False)
         await server.server.stop(grace=2)
         receiver.close()
+        await service.puller.close()
+        service.kv_sender.close()
         loop.stop()
         engine.close()
         telemetry.close()

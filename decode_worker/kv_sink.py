@@ -7,6 +7,10 @@ parallelism on either side, one rank's heads may arrive in slices from several p
 `on_failed`. A request is ready when nothing is missing and, on the primary rank, when the
 prefill worker's DONE (carrying the first token) has arrived — in whichever order.
 
+A pull (this worker copying a prefix another worker holds, `decode_worker.kv_pull`) uses the
+same path with its own callbacks; its DONE carries `PULL_BLOCKS` (how many leading blocks of
+the expectation were sent), and parts of the blocks beyond that count are no longer expected.
+
 A lock orders writes against cancellation: `cancel()` takes it before the engine releases a
 request's blocks, so a block can never be written after it was handed to another request.
 """
@@ -22,8 +26,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kv_store.tp_layout import base_request_id
+from pdserve.serving.kv_push import PULL_BLOCKS  # a pull's DONE: blocks sent after `skip`
 
 log = logging.getLogger(__name__)
+ReadyFn = Callable[[str, dict], None]
+ErrorFn = Callable[[str, str], None]
 
 
 @dataclass
@@ -33,6 +40,8 @@ class PendingKV:
     deadline: float
     missing: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, index, head)
     meta: dict | None = None  # the prefill worker's DONE payload (first token)
+    on_ready: ReadyFn | None = None  # this expectation's own callbacks (None: the sink's)
+    on_error: ErrorFn | None = None
 
 
 class DecodeKVSink:
@@ -50,13 +59,18 @@ class DecodeKVSink:
         self._pending: dict[str, PendingKV] = {}
         self.bytes_received = 0
 
-    def expect(self, request_id: str, block_ids: list[int], skip: int, timeout_s: float) -> None:
+    def expect(self, request_id: str, block_ids: list[int], skip: int, timeout_s: float,
+               on_ready: ReadyFn | None = None, on_error: ErrorFn | None = None) -> None:
+        """Accept KV for blocks `block_ids[skip:]`; `on_ready` / `on_error` replace the
+        sink's callbacks for this request only (they are called under the sink's lock, so
+        they must only hand the news on)."""
         heads = range(self._head_start, self._head_start + self._num_heads)
         missing = {(layer, i, h) for layer in range(len(self._caches))
                    for i in range(skip, len(block_ids)) for h in heads}
         with self._lock:
             self._pending[request_id] = PendingKV(list(block_ids), skip,
-                                                  time.monotonic() + timeout_s, missing)
+                                                  time.monotonic() + timeout_s, missing,
+                                                  on_ready=on_ready, on_error=on_error)
 
     def cancel(self, request_id: str) -> bool:
         """Stop accepting KV for a request (before its blocks are released)."""
@@ -96,13 +110,22 @@ class DecodeKVSink:
             self._complete_locked(request_id, p)
 
     def on_done(self, request_id: str, meta: dict) -> None:
-        """A prefill rank finished sending; the primary's DONE carries the first token."""
+        """A prefill rank finished sending; the primary's DONE carries the first token. A
+        pull's DONE (every rank) carries the number of blocks sent: the rest will not come."""
         request_id = base_request_id(request_id)
         with self._lock:
             p = self._pending.get(request_id)
             if p is None:
                 return
-            if "token_id" in meta:
+            if PULL_BLOCKS in meta:
+                sent = meta[PULL_BLOCKS]
+                if not isinstance(sent, int) or sent < 0:
+                    self._fail_locked(request_id, f"bad {PULL_BLOCKS} in DONE: {sent!r}")
+                    return
+                end = p.skip + sent
+                p.missing = {part for part in p.missing if part[1] < end}
+                p.meta = meta
+            elif "token_id" in meta:
                 p.meta = meta
             self._complete_locked(request_id, p)
 
@@ -125,9 +148,10 @@ class DecodeKVSink:
         if p.missing or (self._primary and p.meta is None):
             return
         del self._pending[request_id]
-        self._on_ready(request_id, p.meta or {})
+        (p.on_ready or self._on_ready)(request_id, p.meta or {})
 
     def _fail_locked(self, request_id: str, reason: str) -> None:
-        if self._pending.pop(request_id, None) is not None:
+        p = self._pending.pop(request_id, None)
+        if p is not None:
             log.warning("KV for %s failed: %s", request_id, reason)
-            self._on_error(request_id, reason)
+            (p.on_error or self._on_error)(request_id, reason)

@@ -6,7 +6,8 @@ A disaggregated request's life on this worker:
        WAITING_FOR_KV ── all layers + DONE{first token} ──► RUNNING ──► tokens ... ► finished
                      └── transfer failed / timed out ──► ABORTED (router: UNAVAILABLE)
 
-With `local_prefill` the request skips the transfer and is prefilled here.
+With `local_prefill` the request skips the transfer and is prefilled here; with `kv_source`
+too, it first pulls the prompt's prefix from the worker that holds it (`kv_pull`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from datetime import timedelta
 
 import grpc
 
+from decode_worker.kv_pull import KVPuller
 from decode_worker.kv_sink import DecodeKVSink
 from decode_worker.tp_follower import endpoint_key, ready_key
 from pdserve.engine.engine import LLMEngine
@@ -47,6 +49,8 @@ class DecodeService(WorkerServicerBase):
         driver = loop.engine.tp_driver
         self.tp_size = loop.engine.tp.size
         self.follower_store = driver.group.store if driver is not None else None
+        self.puller = KVPuller(loop, self.sink, lambda: self.endpoints, self.count,
+                               self.follower_store, self.tp_size)
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
         """The KV receivers of follower ranks (they publish them in the group's store)."""
@@ -106,7 +110,7 @@ class DecodeService(WorkerServicerBase):
         seed = request.seed
         try:
             if request.local_prefill:
-                await self.loop.call(lambda e: e.add_request(rid, ids, params, seed))
+                await self._add_local(request, rid, ids, params)
                 self.count("local_prefills")
                 return worker_pb.DecodeReady()
             cached, blocks = await self.loop.call(
@@ -122,6 +126,18 @@ class DecodeService(WorkerServicerBase):
         self.count("prefix_hit_blocks", cached)
         return worker_pb.DecodeReady(cached_blocks=cached, block_ids=blocks,
                                      endpoints=self.endpoints)
+
+    async def _add_local(self, request, rid, ids, params) -> None:
+        """Admit a request prefilled here, after pulling its prefix when the router says
+        another worker holds it."""
+        def add(e: LLMEngine) -> None:
+            e.add_request(rid, ids, params, request.seed)
+
+        if not request.HasField("kv_source"):
+            await self.loop.call(add)
+            return
+        self.loop.engine.validate(ids, params)  # reads fixed limits only: any thread
+        await self.puller.pull_then(rid, ids, request.kv_source, request.deadline_unix_s, add)
 
     async def _abort(self, rid: str) -> bool:
         self.sink.cancel(rid)  # first: no KV write may land after the blocks are freed

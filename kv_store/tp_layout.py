@@ -13,6 +13,8 @@ uses its own wire id (`wire_request_id`), which the receiver maps back (`base_re
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pdserve.engine.layers.linear import kv_head_start
 
 _RANK_SEP = "@tp"  # never in a request id: the router only accepts [A-Za-z0-9._:-]
@@ -30,6 +32,21 @@ def owned_heads(num_kv_heads: int, rank: int, size: int) -> range:
     if rank and mine.start in heads_of(num_kv_heads, rank - 1, size):
         return range(0)
     return mine
+
+
+def head_routes(num_kv_heads: int, sender_rank: int, sender_size: int,
+                receivers: Sequence[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """(address, first head, end head) of what `sender_rank` sends each receiver
+    `(address, rank, size)` that shares heads with it: the overlap of the heads it owns
+    (`owned_heads`) with the receiver's heads (global indices)."""
+    mine = owned_heads(num_kv_heads, sender_rank, sender_size)
+    out = []
+    for address, rank, size in receivers:
+        theirs = heads_of(num_kv_heads, rank, size)
+        lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
+        if lo < hi:
+            out.append((address, lo, hi))
+    return out
 
 
 def wire_request_id(request_id: str, sender_rank: int, receiver_rank: int) -> str:

@@ -9,6 +9,7 @@ from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVSender, TransferConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.worker_base import (
     announce_ready,
     run_worker,
@@ -24,6 +25,7 @@ from prefill_worker.service import PrefillService
 async def serve(options: WorkerOptions) -> None:
     # A prefill worker samples one token per request: a draft model would never be used.
     recorder = BlockRecorder(options.worker_id)
+    link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
     sender = KVSender(TransferConfig())
@@ -31,14 +33,20 @@ async def serve(options: WorkerOptions) -> None:
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer, recorder)
+    service.kv_sender = sender  # serves PushKV too: decode workers pull our prefixes
     loop.set_step_fn(service.step)
     loop.start()
     telemetry = start_telemetry(options, service)
     server = await start_worker_server(options, service, [telemetry.interceptor])
+    address = f"{options.host}:{server.port}"
+    if link is not None:
+        await link.attach(address, worker_info(options, engine))
     announce_ready({"role": "prefill", "worker_id": options.worker_id,
-                    "address": f"{options.host}:{server.port}", **telemetry.ready_info()})
+                    "address": address, **telemetry.ready_info()})
 
     async def cleanup() -> None:
+        if link is not None:
+            await link.close()
         await server.set_serving(False)
         await server.server.stop(grace=2)
         loop.stop()

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_store.tp_layout import heads_of, owned_heads, wire_request_id
+from kv_store.tp_layout import head_routes, heads_of, wire_request_id
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.scheduler import StepPlan
 
@@ -114,15 +114,8 @@ class KVStreamer:
 
     def _routes(self, endpoints: Sequence[Endpoint]) -> list[tuple[str, int, int]]:
         """(address, first head, end head) for each decode rank sharing heads with us."""
-        mine = owned_heads(self.num_kv_heads, self.tp_rank, self.tp_size)
-        out = []
-        for address, rank, size in endpoints:
-            theirs = heads_of(self.num_kv_heads, rank, size)
-            lo, hi = max(mine.start, theirs.start), min(mine.stop, theirs.stop)
-            if lo < hi:
-                out.append((address, lo, hi))
-            self._ranks[address] = rank
-        return out
+        self._ranks.update((address, rank) for address, rank, _ in endpoints)
+        return head_routes(self.num_kv_heads, self.tp_rank, self.tp_size, endpoints)
 
     def finish(self, request_id: str, meta: dict):
         """DONE after the request's last layer on every pair it used; the decode group's rank 0

@@ -2,8 +2,13 @@
 
     pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints}
         ├─ short uncached prompt: D prefills itself (local_prefill), tokens follow
+        ├─ another worker X holds a longer prefix and the rest is short: local_prefill with
+        │  kv_source = X; D pulls the prefix from X (PushKV), then prefills the rest
         └─ else pick P ─► Prefill(P, target = D's blocks) ─► first token (streamed at once)
                           P streams KV to D; D decodes ─► tokens ... ─► finished
+
+Each worker chosen (D, X, P) whose prefix match runs into its host/SSD tiers first gets a
+fire-and-forget `Prefetch` of those blocks, so they climb while the request is queued.
 
 Every exit path (finish, stop string, error, client cancel, deadline) cancels the calls still
 open, which makes the workers abort the request and free its blocks.
@@ -28,6 +33,8 @@ from router import policy
 from router.pool import WorkerHandle, WorkerPool
 from router.validation import ValidRequest
 
+PREFETCH_TIMEOUT_S = 2.0  # a prefetch hint not taken by then is moot; never waited for
+
 
 class FlowError(Exception):
     """Ends a request with a gRPC status."""
@@ -49,6 +56,18 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+
+
+@dataclass(frozen=True)
+class PromptBlocks:
+    """The prompt's block hashes and what each worker holds of them (KV index: a hint)."""
+
+    hashes: list[bytes]
+    matches: dict[str, PrefixMatch]
+
+    def held_by(self, w: WorkerHandle) -> int:
+        m = self.matches.get(w.address)
+        return m.blocks if m is not None else 0
 
 
 @dataclass
@@ -73,23 +92,27 @@ class Flow:
         self.rng = rng
         self.routing = routing
         self._turn = {"prefill": 0, "decode": 0}  # round-robin cursors
+        # Router-side counts: prefetch hints sent / failed, pulls routed.
+        self.counters = {"prefetch_hints": 0, "prefetch_hint_failures": 0, "kv_pulls_routed": 0}
+        self._background: set[asyncio.Task] = set()  # prefetch hints in flight
 
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
                   timings: FlowTimings) -> AsyncIterator[TokenEvent | FinishEvent]:
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
-        matches = self._matches(req.prompt_token_ids)
-        d = self._pick_decode(matches)
-        self._expect_blocks(d, req.prompt_token_ids)
-        d_cached = matches[d.address].blocks if d.address in matches else 0
-        remote = policy.prefill_remotely(len(req.prompt_token_ids),
-                                         d_cached * self._block_size(),
-                                         self.local_prefill_tokens, bool(self.prefill.healthy()))
+        blocks = self._prompt_blocks(req.prompt_token_ids)
+        d = self._pick_decode(blocks.matches)
+        self._hint(rid, d, blocks)
+        self._expect_blocks(d, blocks.hashes)
+        source = self._pull_source(rid, d, blocks, len(req.prompt_token_ids))
+        remote = source is None and policy.prefill_remotely(
+            len(req.prompt_token_ids), blocks.held_by(d) * self._block_size(),
+            self.local_prefill_tokens, bool(self.prefill.healthy()))
         call = d.stub.Decode(worker_pb.DecodeRequest(
             request_id=rid, prompt_token_ids=req.prompt_token_ids,
             sampling=params_to_pb(req.params), seed=seed, local_prefill=not remote,
-            deadline_unix_s=deadline), timeout=timeout_s)
+            deadline_unix_s=deadline, kv_source=source), timeout=timeout_s)
         d.inflight += 1
         try:
             events = call.__aiter__()
@@ -101,7 +124,7 @@ class Flow:
             if remote:
                 timings.prefill_remote = True
                 first, watch = await self._prefill(rid, req, seed, ready.ready, deadline,
-                                                   timings, matches)
+                                                   timings, blocks)
                 yield first
             async for ev in self._decode_events(events, d, watch):
                 yield ev
@@ -111,10 +134,11 @@ class Flow:
 
     async def _prefill(self, rid: str, req: ValidRequest, seed: int,
                        ready: worker_pb.DecodeReady, deadline: float,
-                       timings: FlowTimings, matches: dict
+                       timings: FlowTimings, blocks: PromptBlocks
                        ) -> tuple[TokenEvent, WorkerHandle]:
-        p = self._pick_prefill(len(req.prompt_token_ids), matches)
-        self._expect_blocks(p, req.prompt_token_ids)
+        p = self._pick_prefill(len(req.prompt_token_ids), blocks.matches)
+        self._hint(rid, p, blocks)
+        self._expect_blocks(p, blocks.hashes)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
                                     skip_blocks=ready.cached_blocks)
         p.inflight += 1
@@ -179,10 +203,10 @@ class Flow:
         info = next((w.info for w in self.decode.workers if w.info is not None), None)
         return info.block_size if info is not None and info.block_size else 16
 
-    def _matches(self, prompt: list[int]) -> dict[str, PrefixMatch]:
-        """Leading blocks of the prompt each worker holds, per the KV index (a hint)."""
+    def _prompt_blocks(self, prompt: list[int]) -> PromptBlocks:
+        """The prompt's hashes and the leading blocks each worker holds (KV index, a hint)."""
         hashes = self._hashes(prompt)
-        return self.decode.prefix.match(hashes) if hashes else {}
+        return PromptBlocks(hashes, self.decode.prefix.match(hashes) if hashes else {})
 
     def _hashes(self, prompt: list[int]) -> list[bytes]:
         info = next((w.info for w in self.decode.workers if w.info is not None), None)
@@ -190,14 +214,48 @@ class Flow:
             return []
         return chain_hashes(prompt, info.block_size, info.hash_extra)
 
-    def _expect_blocks(self, worker: WorkerHandle, prompt: list[int]) -> None:
+    def _expect_blocks(self, worker: WorkerHandle, hashes: list[bytes]) -> None:
         """Record at once that `worker` is about to hold this prompt's blocks. The worker's
         own events confirm (or a snapshot corrects) this a poll later; without it, a burst of
         requests for a new prefix would be spread before the index learns where it went."""
-        if self.routing == "kv":
-            hashes = self._hashes(prompt)
-            if hashes:
-                self.decode.prefix.store(worker.address, hashes, Tier.DEVICE)
+        if self.routing == "kv" and hashes:
+            self.decode.prefix.store(worker.address, hashes, Tier.DEVICE)
+
+    def _pull_source(self, rid: str, d: WorkerHandle, blocks: PromptBlocks, prompt_tokens: int
+                     ) -> worker_pb.KVSource | None:
+        """Where D should pull the prompt's prefix from (policy.pick_pull_source), if any."""
+        others = [w for w in (*self.decode.healthy(), *self.prefill.healthy())
+                  if w.address != d.address and w.address in blocks.matches]
+        holders = [policy.Holder(i, blocks.matches[w.address].blocks,
+                                 blocks.matches[w.address].leading[0],
+                                 w.info.tp_size if w.info is not None else 0)
+                   for i, w in enumerate(others)]
+        h = policy.pick_pull_source(holders, blocks.held_by(d), prompt_tokens,
+                                    self._block_size(), self.local_prefill_tokens,
+                                    bool(self.prefill.healthy()))
+        if h is None:
+            return None
+        self.counters["kv_pulls_routed"] += 1
+        self._hint(rid, others[h.index], blocks)
+        return worker_pb.KVSource(address=others[h.index].address, blocks=h.blocks)
+
+    def _hint(self, rid: str, w: WorkerHandle, blocks: PromptBlocks) -> None:
+        """Fire-and-forget Prefetch of `w`'s matched blocks that sit in its host/SSD tiers."""
+        m = blocks.matches.get(w.address)
+        hashes = policy.prefetch_hashes(m.leading, blocks.hashes) if m is not None else []
+        if not hashes:
+            return
+        self.counters["prefetch_hints"] += 1
+        task = asyncio.create_task(self._prefetch(rid, w, hashes))
+        self._background.add(task)  # a reference, so the task is not collected mid-flight
+        task.add_done_callback(self._background.discard)
+
+    async def _prefetch(self, rid: str, w: WorkerHandle, hashes: list[bytes]) -> None:
+        try:
+            await w.stub.Prefetch(worker_pb.PrefetchRequest(request_id=rid, block_hashes=hashes),
+                                  timeout=PREFETCH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:  # only a hint: the request goes on without it
+            self.counters["prefetch_hint_failures"] += 1
 
     def _round_robin(self, role: str, healthy: list[WorkerHandle]) -> int | None:
         if not healthy:

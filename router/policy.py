@@ -12,6 +12,11 @@ piles every request onto one worker.
 
 `cached_blocks` are tier-weighted: a block in a slower tier counts for less than one computed
 in place (`TIER_WEIGHTS`).
+
+Pull: when another worker holds a longer leading prefix than the chosen decode worker and the
+rest of the prompt is short enough for the decode worker to compute, it pulls that prefix
+(`pick_pull_source`). Prefetch: a chosen worker whose match runs into its host/SSD tiers is
+told which blocks to warm up (`prefetch_hashes`).
 """
 
 from __future__ import annotations
@@ -82,3 +87,45 @@ def prefill_remotely(prompt_tokens: int, cached_tokens: int, threshold: int,
                      have_prefill_workers: bool) -> bool:
     """Conditional disaggregation: short uncached work is cheaper to prefill on D itself."""
     return have_prefill_workers and prompt_tokens - cached_tokens > threshold
+
+
+@dataclass(frozen=True)
+class Holder:
+    """A worker other than the chosen decode worker, as a possible source of a pull."""
+
+    index: int
+    blocks: int  # leading prompt blocks it holds, any tier (PrefixMatch.blocks)
+    device_blocks: int  # of which in device memory (PrefixMatch.leading[0])
+    tp_size: int
+
+
+def pick_pull_source(holders: Sequence[Holder], own_blocks: int, prompt_tokens: int,
+                     block_size: int, threshold: int, have_prefill_workers: bool,
+                     min_gain_blocks: int = 1) -> Holder | None:
+    """The worker the decode worker should pull the prompt's prefix from, or None.
+
+    Worth it only when the decode worker computes the rest itself (at most `threshold`
+    tokens, unless there is no prefill worker at all): a prefill worker without the prefix
+    would recompute it anyway. Pullable blocks stop one token short of the prompt's end (the
+    last token is always computed). The longest prefix wins, then the most in device memory.
+    Only single-rank sources for now (tp_size 1)."""
+    limit = max(prompt_tokens - 1, 0) // block_size
+    best: Holder | None = None
+    for h in holders:
+        blocks = min(h.blocks, limit)
+        if h.tp_size != 1 or blocks < own_blocks + min_gain_blocks:
+            continue
+        if have_prefill_workers and prompt_tokens - blocks * block_size > threshold:
+            continue
+        if best is None or (blocks, h.device_blocks) > (min(best.blocks, limit),
+                                                          best.device_blocks):
+            best = h
+    return best
+
+
+def prefetch_hashes(leading_by_tier: Sequence[int], hashes: Sequence[bytes]) -> list[bytes]:
+    """Hashes of a worker's matched blocks that sit below device memory (host or SSD):
+    what a prefetch hint names. Empty when the whole match is in device memory."""
+    if not leading_by_tier:
+        return []
+    return list(hashes[leading_by_tier[0]:leading_by_tier[-1]])

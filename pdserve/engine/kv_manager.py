@@ -6,9 +6,11 @@ changes state says so in its docstring.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from kv_store.block_pool import BlockPool
 from kv_store.tiers.manager import TierManager
-from pdserve.block_hash import ROOT_HASH, block_hash
+from pdserve.block_hash import ROOT_HASH, block_hash, chain_hashes
 from pdserve.engine.request import Request
 
 
@@ -42,25 +44,56 @@ class KVCacheManager:
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         bs = self.block_size
+        return self._leading(req.block_hashes[:limit],
+                             lambda i: req.token_slice(i * bs, (i + 1) * bs))
+
+    def pin_leading(self, token_ids: Sequence[int], start: int, end: int) -> list[int]:
+        """Take a reference on the run of blocks [start, end) of `token_ids` held here,
+        stopping at the first miss: device hits (hash and token ids), continued into the
+        host/SSD tiers by loading into fresh device blocks (mutates the pool; `unpin` undoes
+        it). Pinned blocks are never reused, so their KV can be read outside a step."""
+        if not self.pool.enable_caching or not 0 <= start < end:
+            return []
+        bs = self.block_size
+        end = min(end, len(token_ids) // bs)
+        parent = ROOT_HASH
+        if start > 0:
+            parent = chain_hashes(token_ids[:start * bs], bs, self.hash_extra)[-1]
+        hashes = chain_hashes(token_ids[:end * bs], bs, self.hash_extra, parent, start)
+        blocks = self._leading(hashes, lambda i: list(token_ids[(start + i) * bs:
+                                                                (start + i + 1) * bs]))
+        for b in blocks:
+            self.pool.take(b)
+        return blocks
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop the references `pin_leading` took, deepest first (mutates the pool)."""
+        self.pool.free(list(reversed(block_ids)))
+
+    def _leading(self, hashes: Sequence[bytes], tokens_of: Callable[[int], list[int]]
+                 ) -> list[int]:
+        """Device blocks of the leading run of `hashes` (block i holds `tokens_of(i)`),
+        continued into the lower tiers; all left cached-free or as they were (not taken)."""
         hits: list[int] = []
-        for i, h in enumerate(req.block_hashes[:limit]):
-            block = self.pool.lookup(h, req.token_slice(i * bs, (i + 1) * bs))
+        for i, h in enumerate(hashes):
+            block = self.pool.lookup(h, tokens_of(i))
             if block is None:
                 break
             hits.append(block)
-        if self.tiers is not None and len(hits) < limit:
-            hits = self._promote(req, hits, limit)
+        if self.tiers is not None and len(hits) < len(hashes):
+            hits = self._promote(hashes, tokens_of, hits)
         return hits
 
-    def _promote(self, req: Request, hits: list[int], limit: int) -> list[int]:
+    def _promote(self, hashes: Sequence[bytes], tokens_of: Callable[[int], list[int]],
+                 hits: list[int]) -> list[int]:
         """Continue a prefix hit into the host/SSD tiers: load the run of lower-tier blocks
         that is faster to load than to recompute into fresh device blocks, publish them and
         return them with the device hits, all cached-free again (mutates the pool: the new
         blocks are cached; `admit` takes them like any device hit)."""
         assert self.tiers is not None
-        bs, start = self.block_size, len(hits)
-        hashes = req.block_hashes[start:limit]
-        tokens = [req.token_slice(i * bs, (i + 1) * bs) for i in range(start, limit)]
+        start = len(hits)
+        hashes = list(hashes[start:])
+        tokens = [tokens_of(i) for i in range(start, start + len(hashes))]
         k = self.tiers.plan(self.tiers.find_run(hashes, tokens))
         k = min(k, self.pool.num_free - sum(1 for b in hits if self.pool.ref_count(b) == 0))
         if k <= 0:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 # Revision of the worker API this tree implements, reported in WorkerInfo.api_version.
 # History: 1 - initial version.
-WORKER_API_VERSION = 1
+#          2 - PushKV and DecodeRequest.kv_source (a decode worker pulls a prefix).
+WORKER_API_VERSION = 2
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

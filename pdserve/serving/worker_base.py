@@ -28,6 +28,7 @@ from pdserve.observability.worker_metrics import WorkerSnapshot
 from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
+from pdserve.serving.kv_push import PushError, push_kv
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         self.recorder = recorder  # this worker's prefix-cache changes, for the KV index
         self.endpoints: list[worker_pb.KVEndpoint] = []
         self.counters: dict[str, float] = {}
+        self.kv_sender = None  # KVSender for PushKV, set by the role's entry point
 
     def count(self, name: str, value: float = 1.0) -> None:
         self.counters[name] = self.counters.get(name, 0.0) + value
@@ -64,8 +66,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
 
     def _kv_events(self, snapshot: bool) -> bytes:
         """Prefix-cache changes since the last poll (or everything held, on request)."""
-        if self.recorder is None:
-            return b""
+        if self.recorder is None or self.options.redis_url:
+            return b""  # with --redis the index link is the recorder's one consumer
         events = self.recorder.drain()
         if snapshot:
             events = [BlockStored(self.recorder.worker_id, hashes, tier)
@@ -91,6 +93,18 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         started = await self.loop.call(
             lambda e: e.tiers.prefetch(hashes) if e.tiers is not None else 0)
         return worker_pb.PrefetchResponse(blocks_promoted=started)
+
+    async def PushKV(self, request, context):
+        """Send cached prompt blocks to a decode worker that pulls them (`serving.kv_push`)."""
+        try:
+            sent, nbytes = await push_kv(self.loop, self.kv_sender, request,
+                                         context.time_remaining())
+        except PushError as exc:
+            await context.abort(exc.code, str(exc))
+        if sent:
+            self.count("kv_pushes")
+            self.count("kv_pushed_blocks", sent)
+        return worker_pb.PushKVResponse(blocks_sent=sent, kv_bytes=nbytes)
 
     def metrics_snapshot(self) -> WorkerSnapshot:
         """Engine stats as of the last step, and counters, for a metrics scrape; callable from

@@ -90,6 +90,7 @@ def test_worker_service_shape():
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Prefetch": ("PrefetchRequest", "PrefetchResponse", False),
+        "PushKV": ("PushKVRequest", "PushKVResponse", False),
         "GetStats": ("StatsRequest", "WorkerStats", False),
         "GetInfo": ("InfoRequest", "WorkerInfo", False),
     }

@@ -18,20 +18,30 @@ class KVEndpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
     seed: int
     local_prefill: bool
     deadline_unix_s: float
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("address", "blocks")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    blocks: int
+    def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeReady(_message.Message):
     __slots__ = ("cached_blocks", "block_ids", "endpoints")
@@ -140,6 +150,32 @@ class PrefetchResponse(_message.Message):
     BLOCKS_PROMOTED_FIELD_NUMBER: _ClassVar[int]
     blocks_promoted: int
     def __init__(self, blocks_promoted: _Optional[int] = ...) -> None: ...
+
+class PushKVRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    START_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    END_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    start_block: int
+    end_block: int
+    endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    hash_extra: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("blocks_sent", "kv_bytes")
+    BLOCKS_SENT_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    blocks_sent: int
+    kv_bytes: int
+    def __init__(self, blocks_sent: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ("kv_snapshot",)

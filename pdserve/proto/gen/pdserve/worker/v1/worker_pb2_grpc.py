@@ -56,6 +56,11 @@ class WorkerStub:
                 request_serializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.PushKV = channel.unary_unary(
+                '/pdserve.worker.v1.Worker/PushKV',
+                request_serializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVRequest.SerializeToString,
+                response_deserializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVResponse.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.worker.v1.Worker/GetStats',
                 request_serializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -103,6 +108,14 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushKV(self, request, context):
+        """Sends a run of this worker's cached prompt blocks into a decode worker's blocks (the
+        decode worker pulls a prefix that another worker holds; served by both roles).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Load and KV usage, polled by the router for scheduling and health.
         """
@@ -139,6 +152,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchRequest.FromString,
                     response_serializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'PushKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVRequest.FromString,
+                    response_serializer=pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -261,6 +279,33 @@ class Worker:
             '/pdserve.worker.v1.Worker/Prefetch',
             pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchRequest.SerializeToString,
             pdserve_dot_worker_dot_v1_dot_worker__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.worker.v1.Worker/PushKV',
+            pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVRequest.SerializeToString,
+            pdserve_dot_worker_dot_v1_dot_worker__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,
