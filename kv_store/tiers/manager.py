@@ -3,6 +3,8 @@
     demote  (device pool evicts a cached block)  device ─copy─► host   (host full: LRU ─► SSD)
     demote ahead (between steps)  the next blocks in eviction order ─copy─► host, kept on the
             device too, so their eviction later finds them in host and copies nothing
+    stage   (a waiting request's run reaches SSD)  SSD ─► host in the background; the request
+            waits for its own reads while the rest of the batch keeps running
     promote (prefix lookup continues past device hits)  host | SSD ─copy─► fresh device blocks
     prefetch (hint from the router)                     SSD ─► host, in the background
 
@@ -13,14 +15,18 @@ prefill speed, and `plan_load` decides per run whether loading beats recomputing
 On CUDA, device↔host copies are issued non-blocking on the current stream, so a promotion is
 ordered before the forward that uses it without a host-side wait; the host waits only before
 the CPU itself touches a slot a copy may still be writing (SSD demotion, SSD→host fills).
-Every method is called on the engine thread, except the completion callbacks of SSD I/O.
+Every method is called on the engine thread. SSD reads complete on I/O threads, whose callbacks
+only queue the bytes (`_landed`): the engine thread moves them into the host store at its next
+call (`_absorb`), so the host store is never touched from two threads.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -49,6 +55,11 @@ class TierManager:
         self.bandwidth = BandwidthModel()
         self._last_copy: torch.cuda.Event | None = None
         self._pending_timing: tuple[int, float, torch.cuda.Event] | None = None
+        # SSD → host reads in flight (engine thread), and what they returned (I/O threads
+        # append, the engine thread pops): (hash, tokens, bytes or None, completion time).
+        self._inflight: dict[bytes, threading.Event] = {}  # set once its bytes are queued
+        self._landed: deque[tuple[bytes, tuple[int, ...], memoryview | None, float]] = deque()
+        self._batches: list[_ReadBatch] = []  # staged reads, timed as one for the SSD speed
         self.ssd = None
         if ssd_dir is not None and ssd_bytes > 0:
             self.ssd = SSDStore(ssd_dir, ssd_bytes, self.block_bytes, block_size,
@@ -127,12 +138,15 @@ class TierManager:
         self._count("kv_tier_ssd_bytes_in", self.block_bytes)
 
     # -- promotion (host / SSD → device) -------------------------------------------------
-    def find_run(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> list[Tier]:
+    def find_run(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]],
+                 touch: bool = True) -> list[Tier]:
         """Tiers of the leading blocks found below the device (stops at the first miss)."""
+        self._absorb()
         run: list[Tier] = []
         for h, t in zip(hashes, tokens, strict=True):
             if self.host is not None and self.host.has(h, t):
-                self.host.touch(h)  # keep it through the allocation that precedes its load
+                if touch:
+                    self.host.touch(h)  # keep it through the allocation before its load
                 run.append(Tier.HOST)
             elif self.ssd is not None and self.ssd.has(h, t):
                 run.append(Tier.SSD)
@@ -153,6 +167,7 @@ class TierManager:
              tokens: Sequence[Sequence[int]]) -> int:
         """Copy blocks into device blocks `block_ids`, in order; returns how many leading
         blocks were loaded (a block that vanished or failed its checksum ends the run)."""
+        self._await_inflight(hashes)
         ssd_reads = {}
         for i, (h, t) in enumerate(zip(hashes, tokens, strict=True)):
             if self.ssd is not None and not (self.host is not None and self.host.has(h, t)):
@@ -196,29 +211,83 @@ class TierManager:
             if i >= start:
                 fut.cancel()
 
-    # -- prefetch ------------------------------------------------------------------------
+    # -- staging and prefetch (SSD → host, in the background) ----------------------------
+    def stage(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]]) -> frozenset[bytes]:
+        """Start SSD → host reads of the SSD blocks in the leading run worth loading; returns
+        the hashes still in flight, which the caller's request should wait for (empty: load
+        now). Without a host tier there is nowhere to stage: empty."""
+        if self.ssd is None or self.host is None:
+            return frozenset()
+        run = self.find_run(hashes, tokens, touch=False)
+        k = plan_load(run, self.block_bytes, self.block_size, self.bandwidth.bandwidth(),
+                      self.bandwidth.prefill_tps)
+        wanted = [h for h, tier in zip(hashes[:k], run[:k], strict=True) if tier is Tier.SSD]
+        started = self._start_reads(wanted)
+        if started:
+            self._batches.append(_ReadBatch(time.perf_counter(), set(started)))
+            self._count("kv_tier_staged_blocks", len(started))
+        return frozenset(h for h in wanted if h in self._inflight)
+
+    def pending(self, hashes: frozenset[bytes]) -> bool:
+        """True while any of these staged reads is still in flight."""
+        self._absorb()
+        return any(h in self._inflight for h in hashes)
+
     def prefetch(self, hashes: Sequence[bytes]) -> int:
         """Start SSD → host promotion of the listed blocks not already in host memory;
         returns how many were started (they land in the host tier asynchronously)."""
         if self.ssd is None or self.host is None:
             return 0
-        started = 0
-        for h in hashes:
-            if h in self.host:
-                continue
-            tokens = self.ssd.tokens_of(h)
-            if tokens is None:
-                continue
-            fut = self.ssd.read(h, tokens)
-            fut.add_done_callback(lambda f, h=h, t=tokens: self._prefetched(h, t, f))
-            started += 1
+        self._absorb()
+        started = len(self._start_reads([h for h in hashes if h not in self.host]))
         self._count("kv_tier_prefetch_started", started)
         return started
 
-    def _prefetched(self, block_hash: bytes, tokens: tuple[int, ...], fut) -> None:
-        data = None if fut.cancelled() else fut.result()
-        if data is None:
-            return
+    def _start_reads(self, hashes: Sequence[bytes]) -> list[bytes]:
+        assert self.ssd is not None
+        started = []
+        for h in hashes:
+            tokens = self.ssd.tokens_of(h)
+            if h in self._inflight or tokens is None:
+                continue
+            landed = self._inflight[h] = threading.Event()
+            fut = self.ssd.read(h, tokens)
+            fut.add_done_callback(lambda f, h=h, t=tokens, ev=landed: self._read_done(h, t, f, ev))
+            started.append(h)
+        return started
+
+    def _read_done(self, block_hash: bytes, tokens: tuple[int, ...], fut,
+                   landed: threading.Event) -> None:
+        """I/O thread: queue what a background read returned, for the engine thread."""
+        data = None if fut.cancelled() or fut.exception() else fut.result()
+        self._landed.append((block_hash, tokens, data, time.perf_counter()))
+        landed.set()
+
+    def _await_inflight(self, hashes: Sequence[bytes], timeout_s: float = 10.0) -> None:
+        """Wait for background reads of these blocks instead of reading them a second time
+        (a follower rank told to load blocks its own staging is still reading)."""
+        for h in hashes:
+            ev = self._inflight.get(h)
+            if ev is not None:
+                ev.wait(timeout_s)
+        self._absorb()
+
+    def _absorb(self) -> None:
+        """Engine thread: move the SSD reads that completed into the host store."""
+        while self._landed:
+            h, tokens, data, t_done = self._landed.popleft()
+            self._inflight.pop(h, None)
+            for b in self._batches:
+                if h in b.hashes:
+                    b.t_last = max(b.t_last, t_done)
+            if data is not None:
+                self._fill_host(h, tokens, data)
+        done = [b for b in self._batches if not b.hashes & self._inflight.keys()]
+        for b in done:  # staged reads overlap: one sample of all their bytes over the batch
+            self._record_read(Tier.SSD, len(b.hashes) * self.block_bytes, b.t_last - b.t0)
+            self._batches.remove(b)
+
+    def _fill_host(self, block_hash: bytes, tokens: tuple[int, ...], data: memoryview) -> None:
         src = torch.frombuffer(data, dtype=torch.uint8)
 
         def fill(slot: torch.Tensor) -> None:
@@ -325,6 +394,15 @@ class TierManager:
     def close(self) -> None:
         if self.ssd is not None:
             self.ssd.close()
+
+
+@dataclass
+class _ReadBatch:
+    """SSD reads started together by one `stage`, timed from start to the last landing."""
+
+    t0: float
+    hashes: set[bytes]
+    t_last: float = 0.0  # when the last of them landed (I/O thread clock)
 
 
 def tier_stats_off() -> dict[str, float]:

@@ -38,6 +38,8 @@ from pdserve.engine.stop import apply_stop_rules
 # Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
 DEMOTE_AHEAD_PER_STEP = 2
 DEMOTE_AHEAD_WHEN_IDLE = 16
+# How long an engine with nothing to run but requests waiting for SSD reads pauses per step.
+IO_STALL_WAIT_S = 0.001
 
 
 class LLMEngine:
@@ -139,7 +141,8 @@ class LLMEngine:
     def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty:
-            self.idle_tick()  # e.g. every request waits for KV: use the pause
+            if self.idle_tick() == 0 and self.scheduler.stalled_on_io:
+                time.sleep(IO_STALL_WAIT_S)  # only SSD reads are pending: do not spin
             return []
         sampled, logprobs = self.execute(plan, layer_hook)
         return self.apply_results(plan, sampled, logprobs)

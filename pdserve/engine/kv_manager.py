@@ -47,6 +47,26 @@ class KVCacheManager:
         return self._leading(req.block_hashes[:limit],
                              lambda i: req.token_slice(i * bs, (i + 1) * bs))
 
+    def prefix_ready(self, req: Request) -> bool:
+        """Whether `req`'s prefix can be matched now. The first time its leading run reaches
+        blocks on SSD, reads of them into host memory start and this answers False until they
+        landed, so the request waits for its own blocks while others run; it waits once, and
+        whatever is still below the host then is loaded synchronously (mutates req)."""
+        if self.tiers is None or not self.pool.enable_caching:
+            return True
+        if req.tier_wait is None:
+            self.update_hashes(req)
+            bs = self.block_size
+            hashes = req.block_hashes[:(req.num_tokens - 1) // bs]
+            start = 0
+            while start < len(hashes) and self.pool.lookup(
+                    hashes[start], req.token_slice(start * bs, (start + 1) * bs)) is not None:
+                start += 1
+            req.tier_wait = self.tiers.stage(
+                hashes[start:], [req.token_slice(i * bs, (i + 1) * bs)
+                                 for i in range(start, len(hashes))])
+        return not (req.tier_wait and self.tiers.pending(req.tier_wait))
+
     def pin_leading(self, token_ids: Sequence[int], start: int, end: int) -> list[int]:
         """Take a reference on the run of blocks [start, end) of `token_ids` held here,
         stopping at the first miss: device hits (hash and token ids), continued into the

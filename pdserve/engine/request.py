@@ -51,6 +51,8 @@ class Request:
     num_published_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until admitted
     num_preemptions: int = 0
+    # SSD reads this request waits for before its prefix is matched (None: not staged yet).
+    tier_wait: frozenset[bytes] | None = None
     # Speculative tokens proposed for the next step (verified, then dropped or kept).
     spec_token_ids: list[int] = field(default_factory=list)
 

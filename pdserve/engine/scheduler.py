@@ -9,8 +9,10 @@ Policy, in order:
    long-prefill chunk size). When blocks run out, the most recently admitted running request is
    preempted: its blocks are released and it goes back to the head of the waiting queue, to be
    recomputed (its cached full blocks usually make that cheap).
-2. Then waiting requests, strictly FCFS (no overtaking), while budget, sequence slots and
-   blocks last. A prefix-cache hit is taken at admission.
+2. Then waiting requests, FCFS, while budget, sequence slots and blocks last; none overtakes
+   another for blocks. A prefix-cache hit is taken at admission. The one exception: a request
+   whose prefix is being read from SSD (`KVCacheManager.prefix_ready`) stays in place while
+   the requests behind it go ahead, so it waits only for its own blocks.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting: deque[Request] = deque()
+        # The last plan was empty only because waiting requests wait for their SSD reads.
+        self.stalled_on_io = False
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._release_listeners: list[Callable[[Request], None]] = []
@@ -115,6 +119,7 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self.stalled_on_io = False
         budget = self.config.max_num_batched_tokens
         chunks: list[ScheduledChunk] = []
         preempted: list[str] = []
@@ -142,8 +147,12 @@ class Scheduler:
         return StepPlan(chunks=chunks, preempted=preempted, num_tokens=total)
 
     def _admit_waiting(self, budget: int, chunks: list[ScheduledChunk]) -> int:
+        staging: list[Request] = []  # waiting for their own SSD reads: keep their places
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self.kv.prefix_ready(req):
+                staging.append(self.waiting.popleft())
+                continue
             hits = self.kv.match_prefix(req)
             remaining = req.num_tokens - len(hits) * self.kv.block_size
             n = self._cap(remaining, budget)
@@ -156,6 +165,8 @@ class Scheduler:
             self.running.append(req)
             chunks.append(self._chunk(req, n))
             budget -= n
+        self.waiting.extendleft(reversed(staging))
+        self.stalled_on_io = bool(staging) and not chunks
         return budget
 
     def _num_new_tokens(self, req: Request, budget: int) -> int:
@@ -196,6 +207,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        req.tier_wait = None  # its blocks may have moved down meanwhile: stage again
         self.waiting.appendleft(req)
         for fn in self._release_listeners:
             fn(req)

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from pdserve.engine.engine import LLMEngine
+from pdserve.engine.engine import IO_STALL_WAIT_S, LLMEngine
 from pdserve.engine.outputs import StepOutput
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,10 @@ class EngineLoop:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
-                self._drain_commands(block=idle and not worked)
+                stalled = not idle and self.engine.scheduler.stalled_on_io
+                # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
+                self._drain_commands(block=(idle and not worked) or stalled,
+                                     timeout_s=IO_STALL_WAIT_S if stalled else 0.5)
                 self.stats = self.engine.stats()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
@@ -113,9 +116,9 @@ class EngineLoop:
             while not self._stop.is_set():
                 self._drain_commands(block=True)
 
-    def _drain_commands(self, block: bool) -> None:
+    def _drain_commands(self, block: bool, timeout_s: float = 0.5) -> None:
         try:
-            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            cmd = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
         except queue.Empty:
             return
         while True:

@@ -95,8 +95,13 @@ def test_tp2_blocks_go_to_host_and_ssd_and_come_back(llm, ref, prompts):
     assert _stat(llm, "kv_tier_load_cut_by_peer") == 0  # both ranks held every block
     names = ["kv_tier_host_blocks", "kv_tier_ssd_hits", "kv_tier_host_hits"]
     ranks = tiers.rank_stats(names)
-    assert len(ranks) == 2 and ranks[0] == ranks[1]  # the follower mirrored every move
-    assert ranks[0]["kv_tier_ssd_hits"] >= 1
+    # Every rank loaded the same blocks. Which of them came from host and which from SSD may
+    # differ: background SSD reads (staging) land in each rank's host tier at its own moment.
+    loaded = [r["kv_tier_ssd_hits"] + r["kv_tier_host_hits"] for r in ranks]
+    assert len(ranks) == 2 and loaded[0] == loaded[1]
+    assert ranks[0]["kv_tier_host_blocks"] == ranks[1]["kv_tier_host_blocks"]
+    assert max(r["kv_tier_ssd_hits"] for r in ranks) >= 1 or _stat(
+        llm, "kv_tier_staged_blocks") >= 1  # blocks came back from SSD (directly or staged)
     assert_idle(llm)
 
 
@@ -139,15 +144,19 @@ def test_demotion_ahead_is_mirrored_and_eviction_copies_nothing(llm, ref, prompt
         assert pool.lookup(b.block_hash, b.token_ids) == b.block_id
     names = ["kv_tier_demoted_ahead", "kv_tier_demote_copies", "kv_tier_demote_found_in_host"]
     before = tiers.rank_stats(names)
-    assert before[0] == before[1]
+    assert before[0]["kv_tier_demoted_ahead"] == before[1]["kv_tier_demoted_ahead"]
     for i in (10, 11):  # evicts prompt 9's blocks
         _gen(llm, ref, prompts, i)
     assert all(pool.lookup(b.block_hash, b.token_ids) is None for b in ahead)
     after = tiers.rank_stats(names)
-    assert after[0] == after[1]  # the follower copied (ahead or not) exactly what rank 0 did
-    for rank in after:
-        copies = rank["kv_tier_demote_copies"] - before[0]["kv_tier_demote_copies"]
-        found = rank["kv_tier_demote_found_in_host"] - before[0]["kv_tier_demote_found_in_host"]
+    # The follower copied ahead exactly what rank 0 did and demoted the same blocks; whether a
+    # demoted block was still in its host tier may differ (staged SSD reads land per rank).
+    assert after[0]["kv_tier_demoted_ahead"] == after[1]["kv_tier_demoted_ahead"]
+    demoted = [r["kv_tier_demote_copies"] + r["kv_tier_demote_found_in_host"] for r in after]
+    assert demoted[0] == demoted[1]
+    for rank, was in zip(after, before, strict=True):
+        copies = rank["kv_tier_demote_copies"] - was["kv_tier_demote_copies"]
+        found = rank["kv_tier_demote_found_in_host"] - was["kv_tier_demote_found_in_host"]
         assert found >= 2  # the blocks copied ahead cost no copy at eviction
         assert copies + found >= 6  # every cached block of prompt 9 was demoted
     _gen(llm, ref, prompts, 9)

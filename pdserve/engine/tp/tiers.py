@@ -214,6 +214,20 @@ class MirroredTiers:
             self._count("kv_tier_load_cut_by_peer", mine - n)
         return n
 
+    def stage(self, hashes: Sequence[bytes], tokens: Sequence[Sequence[int]]
+              ) -> frozenset[bytes]:
+        """Rank 0 decides what to stage; the followers start reading the same blocks (their
+        loads later find them in host, or read them synchronously: same result either way)."""
+        waiting = self.local.stage(hashes, tokens)
+        if waiting:
+            self.driver.queue_tier_op(
+                TierOp(TierOpKind.PREFETCH, hashes=tuple(waiting)).to_wire())
+            self.driver.flush_tier_ops()
+        return waiting
+
+    def pending(self, hashes: frozenset[bytes]) -> bool:
+        return self.local.pending(hashes)
+
     def prefetch(self, hashes: Sequence[bytes]) -> int:
         started = self.local.prefetch(hashes)
         if self.local.ssd is None or self.local.host is None:
