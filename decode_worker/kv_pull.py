@@ -111,6 +111,7 @@ class KVPuller:
         if res is None:
             return 0  # nothing to pull: we hold as much, or no block is free
         self._count("kv_pulls", 1.0)
+        t0 = time.monotonic()
         try:
             resp = await self._stub(source.address).PushKV(worker_pb.PushKVRequest(
                 request_id=rid, prompt_token_ids=ids, start_block=res.start,
@@ -129,6 +130,9 @@ class KVPuller:
         self._count("kv_pulled_blocks", float(k))
         if not k:
             self._count("kv_pull_failures", 1.0)
+        else:  # what a pull costs: PushKV call to the last part landed (incl. followers)
+            self._count("kv_pull_s", time.monotonic() - t0)
+            self._count("kv_pulled_bytes", float(resp.kv_bytes) * k / max(resp.blocks_sent, 1))
         return k
 
     def _reserve(self, engine: LLMEngine, rid: str, ids: list[int], source_blocks: int,
