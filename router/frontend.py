@@ -49,6 +49,8 @@ class Frontend:
         self.tokenizer = tokenizer
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
                          random.Random(uuid.uuid4().int), config.routing)
+        counters = self.flow.counters  # the dict the flow increments in place
+        self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
 
     @property

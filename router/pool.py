@@ -116,8 +116,9 @@ class WorkerPool:
             snapshot = w.needs_snapshot and self.events_from_stats
             # Workers answer from a snapshot, so even a busy one replies in milliseconds;
             # the slack covers a starved machine, not a slow engine step.
-            stats = await w.stub.GetStats(worker_pb.StatsRequest(kv_snapshot=snapshot),
-                                          timeout=2 * self.period_s)
+            request = worker_pb.StatsRequest(kv_snapshot=snapshot,
+                                             take_kv_events=self.events_from_stats)
+            stats = await w.stub.GetStats(request, timeout=2 * self.period_s)
         except grpc.aio.AioRpcError:
             w.misses += 1
             if w.misses >= self.max_misses and w.healthy:

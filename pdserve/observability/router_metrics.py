@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from pdserve.observability.logs import request_log
 
@@ -29,6 +31,16 @@ TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 
                  0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0,
                60.0, 120.0, 300.0, 600.0)
+# The flow's own counts (`router.flow.Flow.counters` key -> metric name, help), read at scrape
+# time so the flow's hot path stays a dict increment.
+FLOW_COUNTERS = {
+    "prefetch_hints": ("pdserve_router_prefetch_hints",
+                       "Prefetch hints sent to workers whose prefix match runs into host/SSD."),
+    "prefetch_hint_failures": ("pdserve_router_prefetch_hint_failures",
+                               "Prefetch hints that failed or timed out (only hints)."),
+    "kv_pulls_routed": ("pdserve_router_kv_pulls_routed",
+                        "Requests sent to a decode worker with a KV source to pull from."),
+}
 
 
 class RouterMetrics:
@@ -62,10 +74,29 @@ class RouterMetrics:
                                      "Prompt tokens served from a worker's prefix cache.",
                                      registry=r)
 
+    def export_flow_counters(self, counters: Callable[[], Mapping[str, float]]) -> None:
+        """Export the flow's counters (`FLOW_COUNTERS`), read from `counters()` on each
+        scrape; call once per registry."""
+        self.registry.register(FlowCounterCollector(counters))
+
     def trace(self, request_id: str, prompt_tokens: int, log: logging.Logger,
               clock: Callable[[], float] = time.perf_counter) -> RequestTrace:
         """Start observing one request."""
         return RequestTrace(self, request_id, prompt_tokens, log, clock)
+
+
+class FlowCounterCollector(Collector):
+    """The router flow's cumulative counters as Prometheus counters (absent keys read 0)."""
+
+    def __init__(self, counters: Callable[[], Mapping[str, float]]) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[Metric]:
+        values = self.counters()
+        for key, (name, doc) in FLOW_COUNTERS.items():
+            fam = CounterMetricFamily(name, doc)
+            fam.add_metric([], float(values.get(key, 0)))
+            yield fam
 
 
 class RequestTrace:

@@ -46,11 +46,23 @@ _TIER_FAMILIES = {
                                ("decision",),
                                {"kv_tier_blocks_loaded_planned": ("load",),
                                 "kv_tier_blocks_recompute_chosen": ("recompute",)}),
-    "kv_tier_prefetches": ("counter", "Prefetches of lower-tier blocks.", ("stage",),
+    "kv_tier_prefetches": ("counter", "SSD to host reads in the background: started by a "
+                           "router hint, and landed in host (hinted or staged).", ("stage",),
                            {"kv_tier_prefetch_started": ("started",),
                             "kv_tier_prefetched": ("done",)}),
+    "kv_tier_staged_blocks": ("counter", "SSD blocks a waiting request started reading into "
+                              "host for itself before its admission.", (),
+                              {"kv_tier_staged_blocks": ()}),
     "kv_tier_ssd_load_failures": ("counter", "SSD block loads that failed (checksum, I/O).",
                                   (), {"kv_tier_ssd_load_failures": ()}),
+    "kv_tier_demotions": ("counter", "Device blocks kept in host memory: copied at eviction, "
+                          "copied ahead of it, or found there at eviction (copied ahead).",
+                          ("kind",), {"kv_tier_demote_copies": ("at_eviction",),
+                                      "kv_tier_demoted_ahead": ("ahead",),
+                                      "kv_tier_demote_found_in_host": ("found_in_host",)}),
+    "kv_tier_load_cut_by_peer": ("counter", "Lower-tier blocks recomputed because another "
+                                 "tensor-parallel rank lacked them.", (),
+                                 {"kv_tier_load_cut_by_peer": ()}),
 }
 _TIER_KEYS = frozenset(k for *_, keys in _TIER_FAMILIES.values() for k in keys)
 
@@ -85,6 +97,7 @@ def worker_families(labels: Mapping[str, str], snap: WorkerSnapshot) -> list[Met
     if snap.stats is not None:
         _engine_families(fam, snap.stats)
     _counter_families(fam, snap.counters)
+    _pull_families(fam, snap.counters, pulls=labels.get("component") == "decode")
     return fam.out
 
 
@@ -153,6 +166,23 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
         fam.summary("kv_exposed_seconds", "Time a request waited for its KV after the "
                     "prefill finished (receiver side).", c["kv_transfers"],
                     c.get("kv_exposed_s", 0))
+
+
+def _pull_families(fam: _Families, c: Mapping[str, float], pulls: bool) -> None:
+    """Decode pulls (`decode_worker/kv_pull.py`, puller side: decode workers) and the pushes
+    that serve them (`serving/kv_push.py`, any worker); present at 0 before the first one,
+    so rate() works from the start."""
+    if pulls or "kv_pulls" in c:
+        fam.counter("kv_pulls", "Prefix pulls attempted from another worker.",
+                    c.get("kv_pulls", 0))
+        fam.counter("kv_pull_failures", "Prefix pulls that brought nothing (the prefix was "
+                    "recomputed).", c.get("kv_pull_failures", 0))
+        fam.counter("kv_pulled_blocks", "KV blocks received by pulls.",
+                    c.get("kv_pulled_blocks", 0))
+    fam.counter("kv_pushes", "Pulls served for other workers (PushKV that sent blocks).",
+                c.get("kv_pushes", 0))
+    fam.counter("kv_pushed_blocks", "KV blocks sent to pulling workers.",
+                c.get("kv_pushed_blocks", 0))
 
 
 class _Families:

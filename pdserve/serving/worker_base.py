@@ -62,12 +62,16 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             counters={**self.counters, "engine_steps": float(self.loop.steps),
                       **{k: float(v) for k, v in stats.items()
                          if k.startswith(("spec_", "kv_tier_"))}},
-            kv_events=self._kv_events(request.kv_snapshot))
+            kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events))
 
-    def _kv_events(self, snapshot: bool) -> bytes:
-        """Prefix-cache changes since the last poll (or everything held, on request)."""
-        if self.recorder is None or self.options.redis_url:
+    def _kv_events(self, snapshot: bool, take: bool) -> bytes:
+        """Prefix-cache changes since the last taker's poll (or everything held, on request).
+        Only a taker drains them: the recorder has one consumer."""
+        if self.recorder is None or self.options.redis_url or not (take or snapshot):
             return b""  # with --redis the index link is the recorder's one consumer
+        if not take:  # a snapshot for a non-taker must not lose the taker's pending changes
+            return encode_batch([BlockStored(self.recorder.worker_id, hashes, tier)
+                                 for tier, hashes in self.recorder.snapshot().items()])
         events = self.recorder.drain()
         if snapshot:
             events = [BlockStored(self.recorder.worker_id, hashes, tier)

@@ -69,6 +69,9 @@ def test_metrics_move_and_logs_carry_request_ids(tiny_llama, tmp_path):
         assert moved(router, router_before, "pdserve_prompt_tokens_total") == 126
         assert moved(router, router_before, "pdserve_request_tpot_seconds_count") == 2
         assert total(router, "pdserve_requests_inflight") == 0
+        # The flow's counters are exported (no tiers, one decode worker: nothing to hint/pull).
+        assert ("pdserve_router_prefetch_hints_total", frozenset()) in router
+        assert total(router, "pdserve_router_kv_pulls_routed_total") == 0
         for name in workers:
             assert moved(after[name], before[name], "pdserve_engine_steps_total") > 0, name
             assert total(after[name], "pdserve_engine_up") == 1
@@ -82,6 +85,8 @@ def test_metrics_move_and_logs_carry_request_ids(tiny_llama, tmp_path):
                      prefill="local") == 1
         assert moved(d_after, d_before, "pdserve_decode_admissions_total",
                      prefill="remote") == 1
+        assert ("pdserve_kv_pulls_total", frozenset(
+            {("component", "decode"), ("worker", "decode-0")})) in d_after
     finally:
         cluster.stop()
 

@@ -107,3 +107,15 @@ def test_status_of_maps_exceptions_to_grpc_status_names():
     assert status_of(asyncio.CancelledError()) == "CANCELLED"
     assert status_of(GeneratorExit()) == "CANCELLED"
     assert status_of(RuntimeError("bug")) == "UNKNOWN"
+
+
+def test_flow_counters_are_read_at_scrape_time():
+    m, counters = RouterMetrics(), {"prefetch_hints": 0, "kv_pulls_routed": 0}
+    m.export_flow_counters(lambda: counters)
+    assert value(m, "pdserve_router_prefetch_hints_total") == 0
+    counters["prefetch_hints"] += 3
+    counters["kv_pulls_routed"] += 1
+    assert value(m, "pdserve_router_prefetch_hints_total") == 3
+    assert value(m, "pdserve_router_kv_pulls_routed_total") == 1
+    assert value(m, "pdserve_router_prefetch_hint_failures_total") == 0  # key absent: 0
+    assert "pdserve_router_prefetch_hints_total 3.0" in generate_latest(m.registry).decode()

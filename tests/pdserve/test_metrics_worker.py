@@ -161,3 +161,31 @@ def test_interceptor_counts_statuses_and_logs_request_ids(caplog):
     assert finished["bad-1"].status == "RESOURCE_EXHAUSTED"
     started = [r.request_id for r in records if r.event == "request_start"]
     assert sorted(started) == ["bad-1", "d-1", "ok-1"]
+
+
+def test_pull_push_and_tier_movement_counters():
+    stats = {**STATS, "kv_tier_demote_copies": 5, "kv_tier_demoted_ahead": 4,
+             "kv_tier_demote_found_in_host": 3, "kv_tier_prefetch_started": 2,
+             "kv_tier_prefetched": 1, "kv_tier_load_cut_by_peer": 6, "kv_tier_staged_blocks": 2}
+    counters = {"local_prefills": 1, "kv_pulls": 3, "kv_pull_failures": 1,
+                "kv_pulled_blocks": 12, "kv_pushes": 2, "kv_pushed_blocks": 7}
+    reg = scrape(WorkerSnapshot(stats, counters, 1), role="decode")
+    assert val(reg, "pdserve_kv_pulls_total", "decode") == 3
+    assert val(reg, "pdserve_kv_pull_failures_total", "decode") == 1
+    assert val(reg, "pdserve_kv_pulled_blocks_total", "decode") == 12
+    assert val(reg, "pdserve_kv_pushes_total", "decode") == 2
+    assert val(reg, "pdserve_kv_pushed_blocks_total", "decode") == 7
+    assert val(reg, "pdserve_kv_tier_demotions_total", "decode", kind="at_eviction") == 5
+    assert val(reg, "pdserve_kv_tier_demotions_total", "decode", kind="ahead") == 4
+    assert val(reg, "pdserve_kv_tier_demotions_total", "decode", kind="found_in_host") == 3
+    assert val(reg, "pdserve_kv_tier_prefetches_total", "decode", stage="started") == 2
+    assert val(reg, "pdserve_kv_tier_load_cut_by_peer_total", "decode") == 6
+    assert val(reg, "pdserve_kv_tier_staged_blocks_total", "decode") == 2
+    assert val(reg, "pdserve_kv_tier_stat", "decode", name="demoted_ahead") is None  # named
+    # Before any pull: decode workers show the pull counters at 0; a prefill worker only the
+    # pushes (it can be a pull's source, never its destination).
+    fresh_d = scrape(WorkerSnapshot(STATS, {}, 1), role="decode")
+    assert val(fresh_d, "pdserve_kv_pulls_total", "decode") == 0
+    fresh_p = scrape(WorkerSnapshot(STATS, PREFILL_COUNTERS, 1))
+    assert val(fresh_p, "pdserve_kv_pushed_blocks_total") == 0
+    assert val(fresh_p, "pdserve_kv_pulls_total") is None

@@ -178,10 +178,12 @@ class PushKVResponse(_message.Message):
     def __init__(self, blocks_sent: _Optional[int] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ("kv_snapshot",)
+    __slots__ = ("kv_snapshot", "take_kv_events")
     KV_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TAKE_KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     kv_snapshot: bool
-    def __init__(self, kv_snapshot: _Optional[bool] = ...) -> None: ...
+    take_kv_events: bool
+    def __init__(self, kv_snapshot: _Optional[bool] = ..., take_kv_events: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
     __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events")
