@@ -79,6 +79,7 @@ class FlowTimings:
     first_token: float = 0.0
     prefill_remote: bool = False
     prefill_compute_s: float = 0.0
+    prefill_cached_tokens: int = 0
 
 
 class Flow:
@@ -127,6 +128,10 @@ class Flow:
                                                    timings, blocks)
                 yield first
             async for ev in self._decode_events(events, d, watch):
+                if remote and isinstance(ev, FinishEvent):
+                    # The prompt was computed on P: what P reused is what was not recomputed
+                    # (D's own hit only spared the transfer of those blocks).
+                    ev.cached_tokens = timings.prefill_cached_tokens
                 yield ev
         finally:
             d.inflight -= 1
@@ -153,6 +158,7 @@ class Flow:
             p.inflight -= 1
         timings.first_token = time.perf_counter()
         timings.prefill_compute_s = resp.compute_s
+        timings.prefill_cached_tokens = resp.cached_tokens
         lps = [resp.logprob] if resp.HasField("logprob") else []
         return TokenEvent([resp.token_id], lps), p
 
