@@ -1,4 +1,9 @@
-"""`python -m decode_worker --model DIR [--host H] [--port P] [--kv-port K]`"""
+"""`python -m decode_worker --model DIR [--host H] [--port P] [--kv-port K] [--redis URL]`
+
+With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
+takes it into its decode pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
+the registry, then finishes the streams it has before it exits.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.worker_base import (
     announce_ready,
+    drain,
     run_worker,
     start_telemetry,
     start_worker_server,
@@ -45,11 +51,9 @@ async def serve(options: WorkerOptions) -> None:
                     "kv_address": receiver.address, **telemetry.ready_info()})
 
     async def cleanup() -> None:
+        # The receiver and the engine keep running while the streams in flight finish.
+        await drain(server, link, lambda: service.kv_sender.stats()["transfers_active"] > 0)
         expiry.cancel()
-        if link is not None:
-            await link.close()
-        await server.set_serving(False)
-        await server.server.stop(grace=2)
         receiver.close()
         await service.puller.close()
         service.kv_sender.close()

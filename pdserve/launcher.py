@@ -3,6 +3,12 @@
 Each child announces `PDSERVE_READY {json}` on stdout once bound; the launcher waits for that
 line (never guesses ports), and stops every child on exit: SIGTERM, then SIGKILL after a grace.
 Used by `pdserve up` and by the end-to-end tests.
+
+With a Redis URL the router runs in discovery mode (no worker lists): its pools follow the
+registry, so the cluster scales while it runs — `add_worker(role)` starts one more worker,
+`stop_worker(child)` drains one (SIGTERM: it leaves the registry, finishes its requests, exits).
+A worker started by hand with the same `--redis` (`pdserve decode-worker --model DIR --redis
+URL`) joins the same way.
 """
 
 from __future__ import annotations
@@ -46,6 +52,9 @@ class ClusterSpec:
     """Redis KV index for the router and every worker ("" = the in-process default). Handed
     to the children as $PDSERVE_REDIS_URL (the default of their `--redis`), so its password
     never shows in a command line."""
+    discover: bool = True
+    """With `redis_url`: the router discovers the workers from the registry (False: it gets
+    the started workers as static lists and uses Redis for the KV index only)."""
 
 
 @dataclass
@@ -60,6 +69,7 @@ class LocalCluster:
         self.spec = spec
         self.children: list[Child] = []
         self.router: Child | None = None
+        self._started = {"prefill": 0, "decode": 0}  # workers ever started, for unique ids
 
     @property
     def address(self) -> str:
@@ -85,28 +95,61 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
-        ranks = s.num_prefill * s.prefill_tp + s.num_decode * s.decode_tp
-        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ranks))
-        common = ["--model", s.model, "--host", s.host, "--threads", str(threads),
-                  *s.worker_args]
-        pending = [self._spawn(f"decode-{i}", "decode_worker",
-                               [*common, "--worker-id", f"decode-{i}", "--tp", str(s.decode_tp)])
-                   for i in range(s.num_decode)]
-        pending += [self._spawn(f"prefill-{i}", "prefill_worker",
-                                [*common, "--worker-id", f"prefill-{i}",
-                                 "--tp", str(s.prefill_tp)])
-                    for i in range(s.num_prefill)]
+        pending = [self._spawn_worker("decode") for _ in range(s.num_decode)]
+        pending += [self._spawn_worker("prefill") for _ in range(s.num_prefill)]
         self.children.extend(pending)
         for child in pending:
             self._wait_ready(child, timeout_s)
-        decode = ",".join(c.info["address"] for c in self.workers("decode"))
-        prefill = ",".join(c.info["address"] for c in self.workers("prefill"))
+        if s.redis_url and s.discover:
+            workers = []  # the router finds them in the registry
+        else:
+            workers = ["--decode", ",".join(c.info["address"] for c in self.workers("decode")),
+                       "--prefill", ",".join(c.info["address"] for c in self.workers("prefill"))]
         http_set = s.port != 0 or any(x.startswith("--http-port") for x in s.router_args)
         http = [] if http_set else ["--http-port", "0"]
         self.router = self._spawn("router", "router", [
-            "--model", s.model, "--host", s.host, "--port", str(s.port), "--decode", decode,
-            "--prefill", prefill, *http, *s.router_args])
+            "--model", s.model, "--host", s.host, "--port", str(s.port), *workers, *http,
+            *s.router_args])
         self._wait_ready(self.router, timeout_s)
+
+    def add_worker(self, role: str, timeout_s: float = 180.0) -> Child:
+        """Start one more `role` worker and wait until it serves. A router in discovery mode
+        takes it in within a second or two (static routers never see it)."""
+        child = self._spawn_worker(role)
+        self.children.append(child)
+        try:
+            self._wait_ready(child, timeout_s)
+        except BaseException:
+            self.stop_worker(child, grace_s=0.0)
+            raise
+        return child
+
+    def stop_worker(self, child: Child, grace_s: float = 60.0) -> int:
+        """Drain one worker (SIGTERM: it leaves the registry, finishes what it has, exits),
+        SIGKILL after `grace_s`; it leaves `children`. Returns its exit code."""
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        try:
+            child.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+        if child in self.children:
+            self.children.remove(child)
+        return child.proc.returncode
+
+    def _spawn_worker(self, role: str) -> Child:
+        if role not in self._started:
+            raise ValueError(f"role must be 'prefill' or 'decode', got {role!r}")
+        s = self.spec
+        ranks = s.num_prefill * s.prefill_tp + s.num_decode * s.decode_tp
+        threads = s.threads_per_worker or max(1, (os.cpu_count() or 1) // max(1, ranks))
+        name = f"{role}-{self._started[role]}"
+        self._started[role] += 1
+        tp = s.decode_tp if role == "decode" else s.prefill_tp
+        return self._spawn(name, f"{role}_worker", [
+            "--model", s.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
+            "--worker-id", name, "--tp", str(tp)])
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         stderr = None

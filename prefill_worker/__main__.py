@@ -1,4 +1,9 @@
-"""`python -m prefill_worker --model DIR [--host H] [--port P]`"""
+"""`python -m prefill_worker --model DIR [--host H] [--port P] [--redis URL]`
+
+With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
+takes it into its prefill pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
+the registry, finishes the prefills it has and their KV transfers, then exits.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.worker_base import (
     announce_ready,
+    drain,
     run_worker,
     start_telemetry,
     start_worker_server,
@@ -45,10 +51,8 @@ async def serve(options: WorkerOptions) -> None:
                     "address": address, **telemetry.ready_info()})
 
     async def cleanup() -> None:
-        if link is not None:
-            await link.close()
-        await server.set_serving(False)
-        await server.server.stop(grace=2)
+        # A prefill answers before its KV has reached the decode worker: wait for that too.
+        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0)
         loop.stop()
         engine.close()
         sender.close()

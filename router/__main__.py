@@ -1,6 +1,16 @@
-"""`python -m router --model DIR --prefill H:P[,H:P] --decode H:P[,H:P] [--port 50051]
-[--http-port 8000] [--redis URL]`: the gRPC API and, on the same asyncio loop, the OpenAI
-HTTP API. With `--redis`, the workers' cached blocks come from the Redis KV index."""
+"""`python -m router --model DIR (--decode H:P[,H:P] [--prefill H:P[,H:P]] | --redis URL)
+[--port 50051] [--http-port 8000]`: the gRPC API and, on the same asyncio loop, the OpenAI
+HTTP API.
+
+Two ways to know the workers:
+- static lists (`--prefill`, `--decode`): fixed pools, the default without Redis. With
+  `--redis` as well, the workers' cached blocks come from the Redis KV index.
+- discovery (`--redis URL` and no lists): the pools follow the index's worker registry
+  (`router.membership`): workers started later with the same `--redis` join on their own, and
+  leave when they stop. The router may start before any worker: requests get UNAVAILABLE
+  until a decode worker joins. The model id (`--model-id`, else the checkpoint directory's
+  name) must be the workers' own; the length limit comes from the checkpoint config.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +19,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.engine.model_config import ModelConfig
@@ -22,11 +33,16 @@ from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.frontend import Frontend
+from router.membership import Membership
 from router.openai import HttpConfig, OpenAIServer, ServedModel
 from router.pool import WorkerPool
 from router.service import PDServeService
 
 log = logging.getLogger("router")
+
+# LLMEngine's default cap on max_model_len (pdserve/engine/engine.py): what a worker started
+# without --max-model-len accepts.
+ENGINE_MAX_LEN_CAP = 32768
 
 
 async def open_index(redis_url: str) -> KVIndex | None:
@@ -49,17 +65,21 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     index = await open_index(cfg.redis_url)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
-    # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
-    prefix = index.prefix if index is not None else PrefixIndex()
-    pools = [WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses, prefix,
-                        events_from_stats=index is None)
-             for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode))]
-    prefill, decode = pools
+    prefill, decode = make_pools(cfg, index)
     await asyncio.gather(prefill.start(), decode.start())
-    await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
-    infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
-    max_len = min((i.max_model_len for i in infos), default=model_cfg.max_position_embeddings)
-    model_id = cfg.model_id or (infos[0].model_id if infos else os.path.basename(cfg.model))
+    membership = None
+    if cfg.discover:
+        model_id, max_len = served_model(cfg, model_cfg, [])
+        membership = Membership(index, {"prefill": prefill, "decode": decode}, model_id,
+                                max_len, cfg.discovery_period_s)
+        await membership.start()
+        if not await membership.settle(cfg.discovery_wait_s):
+            log.info("discovery: starting with %d prefill and %d decode workers answering",
+                     len(prefill.healthy()), len(decode.healthy()))
+    else:
+        await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
+        infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
+        model_id, max_len = served_model(cfg, model_cfg, infos)
     metrics = RouterMetrics()
     frontend = Frontend(cfg, tokenizer, prefill, decode, metrics)
     service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
@@ -68,7 +88,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
                                 interceptors=interceptors)
-    ready = {"role": "router", "address": f"{cfg.host}:{server.port}"}
+    ready = {"role": "router", "address": f"{cfg.host}:{server.port}",
+             "discovery": cfg.discover}
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()))
@@ -79,6 +100,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
 
     async def cleanup() -> None:
         await server.set_serving(False)
+        if membership is not None:
+            await membership.close()
         if http is not None:
             await http.stop()
         await server.server.stop(grace=2)
@@ -89,12 +112,32 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     await wait_for_signal(cleanup)
 
 
+def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, WorkerPool]:
+    """The (prefill, decode) pools: the static lists, or empty ones that discovery fills."""
+    # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
+    prefix = index.prefix if index is not None else PrefixIndex()
+    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
+                                  prefix, events_from_stats=index is None)
+                       for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
+    return prefill, decode
+
+
+def served_model(cfg: RouterConfig, model_cfg: ModelConfig, infos: list) -> tuple[str, int]:
+    """(model id, length limit) the router serves: from the workers' infos when it has them
+    (static lists), else from the flags and the checkpoint, as a worker's engine derives them
+    by default (discovery, where no worker may exist yet)."""
+    model_id = cfg.model_id or (infos[0].model_id if infos else Path(cfg.model).name)
+    default_len = min(model_cfg.max_position_embeddings, ENGINE_MAX_LEN_CAP)
+    return model_id, min((i.max_model_len for i in infos), default=default_len)
+
+
 def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | None]:
     """The router's config, and the HTTP server's (None when --http-port is -1)."""
     p = argparse.ArgumentParser(prog="router")
     p.add_argument("--model", required=True)
     p.add_argument("--prefill", default="", help="comma-separated host:port list")
-    p.add_argument("--decode", required=True, help="comma-separated host:port list")
+    p.add_argument("--decode", default="",
+                   help="comma-separated host:port list (none with --redis: discovery mode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--model-id", default="")
@@ -107,18 +150,28 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="follow the Redis KV index at URL for the workers' cached blocks "
-                        f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
+                        f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV}); without "
+                        "--prefill/--decode, also discover the workers from its registry")
+    p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
+                   help="discovery mode: longest start-up wait for registered workers to answer")
     a = p.parse_args(argv)
+    prefill = tuple(x for x in a.prefill.split(",") if x)
+    decode = tuple(x for x in a.decode.split(",") if x)
+    if not decode and (prefill or not a.redis):
+        p.error("give --decode (and --prefill) host:port lists, or --redis URL alone to "
+                "discover the workers from its registry")
+    if a.discover_wait < 0:
+        p.error("--discover-wait must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
     http = None if a.http_port == -1 else HttpConfig(
         host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens)
     return RouterConfig(
-        model=a.model, prefill=tuple(x for x in a.prefill.split(",") if x),
-        decode=tuple(x for x in a.decode.split(",") if x), host=a.host, port=a.port,
+        model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
-        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis), http
+        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis,
+        discovery_wait_s=a.discover_wait), http
 
 
 def main(argv: list[str] | None = None) -> None:

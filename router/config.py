@@ -1,4 +1,4 @@
-"""Router configuration."""
+"""Router configuration (static worker lists, or discovery from the Redis registry)."""
 
 from __future__ import annotations
 
@@ -34,3 +34,14 @@ class RouterConfig:
     redis_url: str = field(default="", repr=False)
     """Redis KV index to follow (`redis://[user]:password@host:port/db`): workers' cached
     blocks come from its event stream instead of their stats ("" = from their stats)."""
+    discovery_period_s: float = 1.0
+    """Discovery mode: how often the pools are reconciled with the worker registry."""
+    discovery_wait_s: float = 5.0
+    """Discovery mode: longest start-up wait for registered workers to answer (the router
+    then starts with what it has, possibly no worker at all)."""
+
+    @property
+    def discover(self) -> bool:
+        """Discovery mode: with a Redis URL and no static worker list, the pools follow the
+        worker registry (`router.membership`) instead of `prefill`/`decode`."""
+        return bool(self.redis_url) and not self.prefill and not self.decode

@@ -1,7 +1,19 @@
 """Worker pools: channels, load figures and health, refreshed by polling `GetStats`.
 
-A worker that misses `health_misses` polls in a row (or reports NOT_SERVING) leaves its pool
-until it answers again; requests only ever go to healthy workers.
+A worker that misses `health_misses` polls in a row (or answers a call with UNAVAILABLE)
+leaves its pool until it answers again; requests only ever go to healthy workers.
+
+Membership can change at run time (`add` / `remove`, driven by `router.membership` in
+discovery mode, or by an operator):
+
+    add(addr) ──► member ──poll ok──► healthy (routable)
+                    │ ▲
+           remove() │ │ add() again (same handle, same channel)
+                    ▼ │
+                 retiring ──inflight 0, linger_s passed──► channel closed, forgotten
+
+A retiring worker gets no new requests, but the flows that hold its `WorkerHandle` finish on
+its open channel; it is still polled (health only), so a crash still sets its `down` event.
 
 The pools also keep the shared `PrefixIndex` (which prompt blocks each worker holds) up to date
 from the KV events in the workers' stats, unless another source owns it (`events_from_stats`
@@ -11,7 +23,9 @@ False: the Redis KV index, fed by the workers themselves; its leases retire dead
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +36,9 @@ from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.grpc_server import MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
 @dataclass
@@ -52,26 +69,55 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
                  max_misses: int, prefix: PrefixIndex | None = None,
-                 events_from_stats: bool = True) -> None:
-        opts = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+                 events_from_stats: bool = True, linger_s: float | None = None) -> None:
         self.role = role
-        self.workers = []
-        for addr in addresses:
-            channel = grpc.aio.insecure_channel(addr, options=opts)
-            self.workers.append(WorkerHandle(addr, role, channel,
-                                             worker_pb_grpc.WorkerStub(channel)))
+        self.workers: list[WorkerHandle] = []  # members; only their healthy ones are routable
         self.period_s = period_s
         self.max_misses = max_misses
+        # A removed worker's channel stays open at least this long once idle: fire-and-forget
+        # calls (prefetch hints) do not count in `inflight`.
+        self.linger_s = 2 * period_s if linger_s is None else linger_s
         # Which prompt blocks each worker holds, fed by the events in its stats (a hint:
         # workers check every hit themselves). Shared by the router's pools.
         self.prefix = prefix if prefix is not None else PrefixIndex()
         # False: `prefix` belongs to another feed; ask for no events and never edit it.
         self.events_from_stats = events_from_stats
+        self._retiring: dict[str, tuple[WorkerHandle, float]] = {}  # address → (handle, since)
+        self._wake = asyncio.Event()  # a member joined: poll now, not a period later
         self._task: asyncio.Task | None = None
+        for address in addresses:
+            self.add(address)
 
     def healthy(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.healthy]
+
+    def add(self, address: str) -> WorkerHandle:
+        """Make `address` a member (idempotent). A retiring worker gets its handle back; a new
+        one is routable once a poll finds it healthy (the poller is woken at once)."""
+        for w in self.workers:
+            if w.address == address:
+                return w
+        retired = self._retiring.pop(address, None)
+        if retired is not None:
+            w = retired[0]
+        else:
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            w = WorkerHandle(address, self.role, channel, worker_pb_grpc.WorkerStub(channel))
+        self.workers.append(w)
+        self._wake.set()
+        return w
+
+    def remove(self, address: str) -> bool:
+        """Stop routing to `address` (idempotent; False if it was not a member). Flows already
+        using it finish: its channel closes once `inflight` is 0 (see the module docstring)."""
+        w = next((x for x in self.workers if x.address == address), None)
+        if w is None:
+            return False
+        self.workers = [x for x in self.workers if x is not w]
+        self._forget_blocks(w)
+        w.needs_snapshot = True  # if it comes back, its blocks are read afresh
+        self._retiring[address] = (w, time.monotonic())
+        return True
 
     async def start(self) -> None:
         await self.poll_once()
@@ -80,8 +126,9 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
-        for w in self.workers:
+        for w in [*self.workers, *(w for w, _ in self._retiring.values())]:
             await w.channel.close()
+        self._retiring.clear()
 
     async def wait_healthy(self, timeout_s: float) -> bool:
         loop = asyncio.get_running_loop()
@@ -102,22 +149,39 @@ class WorkerPool:
         self._forget_blocks(worker)
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        retiring = [w for w, _ in self._retiring.values()]
+        await asyncio.gather(*(self._poll(w, True) for w in self.workers),
+                             *(self._poll(w, False) for w in retiring))
 
     async def _poll_forever(self) -> None:
         while True:
-            await asyncio.sleep(self.period_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.period_s)
+            self._wake.clear()
             await self.poll_once()
+            # Here, between polls, no call of ours is open on a channel this closes.
+            await self._close_retired()
 
-    async def _poll(self, w: WorkerHandle) -> None:
+    async def _close_retired(self) -> None:
+        now = time.monotonic()
+        idle = [a for a, (w, since) in self._retiring.items()
+                if w.inflight == 0 and now - since >= self.linger_s]
+        for address in idle:
+            w, _ = self._retiring.pop(address)
+            w.set_healthy(False)
+            self._forget_blocks(w)  # events a poll took while it was being removed
+            await w.channel.close()
+            log.info("%s worker %s left the pool; channel closed", self.role, address)
+
+    async def _poll(self, w: WorkerHandle, member: bool) -> None:
+        take = member and self.events_from_stats  # a retiring worker is polled for health only
+        snapshot = take and w.needs_snapshot
         try:
             if w.info is None:
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
-            snapshot = w.needs_snapshot and self.events_from_stats
             # Workers answer from a snapshot, so even a busy one replies in milliseconds;
             # the slack covers a starved machine, not a slow engine step.
-            request = worker_pb.StatsRequest(kv_snapshot=snapshot,
-                                             take_kv_events=self.events_from_stats)
+            request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
             stats = await w.stub.GetStats(request, timeout=2 * self.period_s)
         except grpc.aio.AioRpcError:
             w.misses += 1
@@ -128,7 +192,7 @@ class WorkerPool:
                 self._forget_blocks(w)
             return
         w.stats = stats
-        if self.events_from_stats:
+        if take:
             self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)

@@ -1,8 +1,9 @@
-"""The part of the worker gRPC service both roles share: stats, info, abort, start-up.
+"""The part of the worker gRPC service both roles share: stats, info, abort, start-up, drain.
 
 A worker process announces itself on stdout with one line, `PDSERVE_READY {json}`, once its
 servers are bound: the launcher (`pdserve up`) reads the real ports from it, so every server
-can bind port 0 and no port is ever guessed.
+can bind port 0 and no port is ever guessed. On SIGTERM it drains (`drain`): the requests it
+has taken finish before it exits.
 """
 
 from __future__ import annotations
@@ -14,7 +15,10 @@ import json
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -30,6 +34,9 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
+
+if TYPE_CHECKING:
+    from pdserve.serving.index_link import IndexLink
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PDSERVE_READY "
@@ -145,6 +152,43 @@ async def wait_for_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await cleanup()
+
+
+@dataclass(frozen=True)
+class DrainConfig:
+    """How a worker stops on SIGTERM without failing the requests it has taken."""
+
+    notice_s: float = 2.0
+    """With a registry link: how long the worker still takes new requests after leaving the
+    registry, so routers in discovery mode (reconciling every second) stop picking it first."""
+    grace_s: float = 30.0
+    """Longest wait for calls in flight and background work (KV transfers) to finish; what is
+    left then is cancelled."""
+
+
+async def drain(server: RunningServer, link: IndexLink | None,
+                busy: Callable[[], bool] = lambda: False,
+                config: DrainConfig = DrainConfig()) -> None:
+    """Stop taking work, let what was taken finish:
+
+        leave the registry (`link`), health NOT_SERVING
+          ─► notice_s (with a link only)
+          ─► refuse new calls (UNAVAILABLE); calls in flight finish within grace_s
+          ─► wait, within what is left of grace_s, until `busy()` is False
+    """
+    start = time.monotonic()
+    end = start + config.grace_s
+    log.info("draining: no new work from routers; finishing what is in flight")
+    await server.set_serving(False)
+    if link is not None:
+        await link.close()
+        await asyncio.sleep(config.notice_s)
+        end += config.notice_s
+    await server.server.stop(grace=config.grace_s)  # returns as soon as no call is open
+    while busy() and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    log.info("drained in %.1fs%s", time.monotonic() - start,
+             " (background work cut short)" if busy() else "")
 
 
 async def start_worker_server(options: WorkerOptions, service: WorkerServicerBase,
