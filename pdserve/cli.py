@@ -5,7 +5,15 @@
     pdserve generate [--target HOST:PORT] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
+    pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
+
+With `--redis URL`, `pdserve up` starts the router in discovery mode: its pools follow the
+workers registered in Redis, so a worker started later joins the running cluster on its own,
+and leaves it (after finishing its requests) on SIGTERM:
+
+    pdserve decode-worker --model DIR --redis URL      (or $PDSERVE_REDIS_URL; --model-id must
+    pdserve prefill-worker --model DIR --redis URL      match the router's, if either sets one)
 """
 
 from __future__ import annotations
@@ -35,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
+    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
     a = parser.parse_args(argv)
     return {"up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
-            "demo-model": cmd_demo_model}[a.cmd](a)
+            "demo-model": cmd_demo_model, "ray": cmd_ray}[a.cmd](a)
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
@@ -63,7 +72,8 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     # The name of worker_options.REDIS_URL_ENV, spelled out: the CLI imports nothing heavy.
     p.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
                    help="Redis KV index for the router and workers, redis://:password@host:port/db "
-                        "(default: $PDSERVE_REDIS_URL, else the in-process index)")
+                        "(default: $PDSERVE_REDIS_URL, else the in-process index); the router "
+                        "then discovers workers there, so workers started later join")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -107,6 +117,9 @@ def cmd_up(a: argparse.Namespace) -> int:
         for c in cluster.children:
             extra = f"  kv {c.info['kv_address']}" if "kv_address" in c.info else ""
             print(f"  {c.name:<10} grpc://{c.info['address']}{extra}", flush=True)
+        if a.redis:
+            print("  discovery      more workers join with: pdserve decode-worker|prefill-worker "
+                  f"--model {model} (and $PDSERVE_REDIS_URL or --redis)", flush=True)
         print("Ctrl-C stops everything.", flush=True)
         while not stop.wait(1.0):
             dead = [c.name for c in [cluster.router, *cluster.children]
@@ -142,6 +155,18 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from pdserve.loadgen.cli import run
+
+    return run(a)
+
+
+def _add_ray(p: argparse.ArgumentParser) -> None:
+    from pdserve.deploy.cli import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_ray(a: argparse.Namespace) -> int:
+    from pdserve.deploy.cli import run
 
     return run(a)
 

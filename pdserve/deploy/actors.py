@@ -1,0 +1,107 @@
+"""The Ray actors of a deployment, as plain classes (`ray.remote` is applied by
+`deploy.ray_cluster`, so this module imports without Ray).
+
+`ProcessActor` supervises one pdserve process (router or worker) on the node Ray placed it
+on: it starts the process with the GPUs of the worker's whole placement group, reads its READY
+line, answers `stats()` by asking the worker itself over gRPC (GetStats), and stops it. It never
+restarts a process: `poll()` reports an exit and the cluster manager replaces the worker.
+
+`RankHolder` holds the bundle of one extra TP rank (ranks 1..tp-1) so Ray accounts for that
+rank's GPU; it only tells which GPU Ray gave it. Every method takes and returns plain
+str / int / float / list / dict.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pdserve.deploy.process import ManagedProcess, ProcessState
+
+
+def node_ip() -> str:
+    """This node's address as the rest of the Ray cluster reaches it."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def own_gpu_ids() -> list[str]:
+    import ray
+
+    return [str(g) for g in ray.get_gpu_ids()]
+
+
+class RankHolder:
+    """Keeps one TP rank's bundle reserved; the worker process itself runs in rank 0's actor."""
+
+    def gpu_ids(self) -> list[str]:
+        return own_gpu_ids()
+
+
+class ProcessActor:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.process: ManagedProcess | None = None
+
+    def host(self) -> str:
+        return node_ip()
+
+    def start(self, module: str, args: list[str], env: dict[str, str],
+              extra_gpu_ids: list[str], timeout_s: float) -> dict:
+        """Run `python -m module args...` and return its READY fields (plus `pid`). The child
+        sees the GPUs of every rank of its placement group (this actor's and the holders'),
+        and nothing of Ray's own environment decides that."""
+        if self.process is not None:
+            raise RuntimeError(f"{self.name}: already started")
+        gpus = sorted(set(own_gpu_ids()) | set(extra_gpu_ids), key=_gpu_order)
+        # Only the GPUs reserved for it ("" = none: a CPU pool on a GPU node stays off them),
+        # unless the deployment's env says otherwise.
+        child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
+        self.process = ManagedProcess([sys.executable, "-m", module, *args], child_env,
+                                      name=self.name)
+        info = self.process.wait_ready(timeout_s)
+        return {**info, "pid": self.process.pid, "gpus": gpus}
+
+    def poll(self) -> str:
+        """The process's state: starting | ready | exited | stopped."""
+        return ProcessState.STOPPED.value if self.process is None else self.process.state.value
+
+    def pid(self) -> int:
+        return -1 if self.process is None else self.process.pid
+
+    def stats(self, timeout_s: float = 5.0) -> dict:
+        """The worker's load as it reports it (GetStats), as a plain dict; {"error": why}
+        when it does not answer (a worker that cannot answer is not an actor failure)."""
+        import grpc
+
+        if self.process is None or "address" not in self.process.info:
+            return {"error": f"{self.name}: not running"}
+        try:
+            return worker_stats(self.process.info["address"], timeout_s)
+        except grpc.RpcError as exc:
+            return {"error": f"{self.name}: GetStats: {exc.code().name}"}
+
+    def stop(self, grace_s: float) -> int:
+        """Stop the process (SIGTERM, then SIGKILL after `grace_s`); its exit code."""
+        if self.process is None:
+            return 0
+        return self.process.stop(grace_s)
+
+
+def worker_stats(address: str, timeout_s: float) -> dict:
+    """GetStats of the worker at `address`, as the load figures the cluster manager uses."""
+    import grpc
+
+    from pdserve.proto import worker_pb, worker_pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        s = worker_pb_grpc.WorkerStub(channel).GetStats(worker_pb.StatsRequest(),
+                                                        timeout=timeout_s)
+    return {"num_running": s.num_running, "num_waiting": s.num_waiting,
+            "queued_prefill_tokens": s.queued_prefill_tokens,
+            "kv_blocks_used": s.kv_blocks_used, "kv_blocks_total": s.kv_blocks_total}
+
+
+def _gpu_order(gpu_id: str) -> tuple[int, str]:
+    return (int(gpu_id), "") if gpu_id.isdigit() else (sys.maxsize, gpu_id)
