@@ -12,13 +12,15 @@ import time
 
 import pytest
 
-from kv_store.index.events import decode_batch
-from kv_store.index.redis_common import Keys, RedisIndexConfig
 from pdserve.deploy.spec import PoolSpec, RayClusterSpec, RouterSpec
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import worker_stats
 from tests.helpers.engine import random_prompts
-from tests.helpers.redis_server import RedisServer, require_redis_server
+from tests.helpers.redis_server import (
+    RedisServer,
+    registered_workers,
+    require_redis_server,
+)
 
 ray = pytest.importorskip("ray", reason="ray is not installed (pip install -e .[ray])")
 from pdserve.deploy.ray_cluster import RayCluster  # noqa: E402 — needs ray
@@ -26,7 +28,6 @@ from pdserve.deploy.ray_cluster import RayCluster  # noqa: E402 — needs ray
 pytestmark = pytest.mark.timeout(240)
 
 PASSWORD = "pw-ray-test"
-KEYS = Keys(RedisIndexConfig().namespace)
 ENV = {"OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd(),
        "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET", "1")}
 
@@ -129,17 +130,7 @@ def _router_discovers_workers() -> bool:
 
 
 def _leases(server: RedisServer) -> dict[str, str]:
-    """Registered worker address → role."""
-    import redis
-
-    r = redis.Redis.from_url(server.url())
-    out = {}
-    for member in r.smembers(KEYS.workers):
-        value = r.get(KEYS.lease(member.decode()))
-        if value is not None:
-            reg = decode_batch(value)[0]
-            out[reg.worker_id] = reg.info["role"]
-    return out
+    return registered_workers(server.url())
 
 
 def _eventually(check, what: str, timeout_s: float = 20.0) -> None:

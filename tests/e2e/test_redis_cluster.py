@@ -32,7 +32,11 @@ from pdserve.proto import worker_pb, worker_pb_grpc
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
 from tests.helpers.engine import random_prompts
-from tests.helpers.redis_server import RedisServer, require_redis_server
+from tests.helpers.redis_server import (
+    RedisServer,
+    registered_workers,
+    require_redis_server,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -80,15 +84,7 @@ def _addresses(cluster, role=None):
 
 
 def _leases(server: RedisServer) -> dict[str, str]:
-    """Worker id → role, of every lease in Redis."""
-    r = _redis(server)
-    out = {}
-    for member in r.smembers(KEYS.workers):
-        value = r.get(KEYS.lease(member.decode()))
-        if value is not None:
-            reg = decode_batch(value)[0]
-            out[reg.worker_id] = reg.info["role"]
-    return out
+    return registered_workers(server.url())
 
 
 def _stored(server: RedisServer) -> dict[str, set[bytes]]:

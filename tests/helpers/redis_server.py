@@ -120,3 +120,21 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+def registered_workers(url: str) -> dict[str, str]:
+    """Worker id → role of every live lease in the KV index's registry at `url`."""
+    import redis
+
+    from kv_store.index.events import decode_batch
+    from kv_store.index.redis_common import Keys, RedisIndexConfig
+
+    keys = Keys(RedisIndexConfig().namespace)
+    r = redis.Redis.from_url(url)
+    out = {}
+    for member in r.smembers(keys.workers):
+        value = r.get(keys.lease(member.decode()))
+        if value is not None:
+            reg = decode_batch(value)[0]
+            out[reg.worker_id] = reg.info["role"]
+    return out
