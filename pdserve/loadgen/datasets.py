@@ -164,7 +164,14 @@ def _prefix_requests(rng: random.Random, spec: PrefixSpec) -> list[BenchRequest]
     n_conv = math.ceil(spec.num_prompts / spec.turns)
     conversations = [_conversation(rng, rng.choice(prefixes), spec) for _ in range(n_conv)]
     # Turn by turn across conversations: turn k of a conversation is sent after its turn k-1.
-    ordered = [conv[t] for t in range(spec.turns) for conv in conversations]
+    # Within a round the conversations come in a fresh random order, as users' replies do; a
+    # fixed order would put each conversation's turns exactly n_conv requests apart, which
+    # hands a round-robin router perfect affinity whenever its pool size divides n_conv.
+    ordered = []
+    for t in range(spec.turns):
+        order = list(range(n_conv))
+        rng.shuffle(order)
+        ordered += [conversations[c][t] for c in order]
     return ordered[:spec.num_prompts]
 
 

@@ -43,10 +43,18 @@ def test_prefix_conversations_share_system_prompts_and_resend_earlier_turns():
                       output_len=5, vocab_size=1000)
     reqs = build_workload(spec, 7).requests
     assert len(reqs) == 12
-    # Sent turn by turn: 4 conversations, requests i, i+4, i+8 are one conversation's turns.
+    # Sent turn by turn (4 conversations: first turns, then second turns, then third), each
+    # round in its own order: find each conversation's later turns by their prefix.
     assert len({r.prompt[:40] for r in reqs}) <= 2  # 4 conversations share 2 system prompts
-    for conv in range(4):
-        t1, t2, t3 = reqs[conv], reqs[conv + 4], reqs[conv + 8]
+
+    def next_turn(prev, round_):
+        (turn,) = [r for r in reqs[4 * round_:4 * round_ + 4]
+                   if r.prompt[:len(prev.prompt)] == prev.prompt]
+        return turn
+
+    for t1 in reqs[:4]:
+        t2 = next_turn(t1, 1)
+        t3 = next_turn(t2, 2)
         assert t2.prompt[:len(t1.prompt)] == t1.prompt
         assert t3.prompt[:len(t2.prompt)] == t2.prompt
         # each turn adds the previous answer (output_len tokens) and a new message
