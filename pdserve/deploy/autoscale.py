@@ -126,6 +126,13 @@ class Decision:
     """Pass back into the next `decide`."""
     reasons: dict[str, str]
     """Why, per pool, for logs."""
+    sizes: dict[str, int]
+    """The size of each pool the decision was made from."""
+
+    def changes(self) -> dict[str, tuple[int, int]]:
+        """(current, target) of each pool whose size changes."""
+        return {role: (self.sizes.get(role, 0), target) for role, target in self.targets.items()
+                if target != self.sizes.get(role, 0)}
 
 
 class AutoscalePolicy:
@@ -142,7 +149,8 @@ class AutoscalePolicy:
         for role in ROLES:
             targets[role], trends[role], reasons[role] = self._decide_pool(
                 role, int(sizes.get(role, 0)), loads.get(role, ()), state.trend(role))
-        return Decision(targets, AutoscaleState(trends), reasons)
+        return Decision(targets, AutoscaleState(trends), reasons,
+                        {role: int(sizes.get(role, 0)) for role in ROLES})
 
     def _decide_pool(self, role: str, n: int, loads: Sequence[WorkerLoad],
                      trend: PoolTrend) -> tuple[int, PoolTrend, str]:
@@ -155,12 +163,24 @@ class AutoscalePolicy:
         signal = pool_signal(role, loads)
         trend = PoolTrend(above=trend.above + 1 if signal > rule.high else 0,
                           below=trend.below + 1 if signal < rule.low else 0)
-        if trend.above >= rule.up_after and n < rule.max_replicas:
+        if trend.above:
+            why = f"{signal:.3g} > high {rule.high:g}"
+            if n >= rule.max_replicas:
+                return n, trend, f"{why}, at max {rule.max_replicas}"
+            if trend.above < rule.up_after:
+                return n, trend, f"{why}, {trend.above} of {rule.up_after} in a row"
             want = math.ceil(n * signal / rule.high)
             target = min(max(want, n + 1), n + rule.max_step_up, rule.max_replicas)
-            return target, PoolTrend(), f"{signal:.3g} > high {rule.high:g}"
-        if trend.below >= rule.down_after and n > rule.min_replicas:
+            return target, PoolTrend(), why
+        if trend.below:
+            why = f"{signal:.3g} < low {rule.low:g}"
+            if n <= rule.min_replicas:
+                return n, trend, f"{why}, at min {rule.min_replicas}"
+            if trend.below < rule.down_after:
+                return n, trend, f"{why}, {trend.below} of {rule.down_after} in a row"
             if n == 1 or signal * n / (n - 1) <= rule.high:
-                return n - 1, PoolTrend(), f"{signal:.3g} < low {rule.low:g}"
-            trend = replace(trend, below=0)  # the others would be pushed over high: stay
+                return n - 1, PoolTrend(), why
+            # The others would be pushed over high: stay, and count the streak again.
+            return n, replace(trend, below=0), (f"{why}, but {n - 1} workers would be over "
+                                                f"high {rule.high:g}")
         return n, trend, f"{signal:.3g} within [{rule.low:g}, {rule.high:g}]"

@@ -182,11 +182,9 @@ class RayCluster:
         loads = {role: list(self.loads(role).values()) for role in ROLES}
         decision = policy.decide(sizes, loads, self._autoscale_state)
         self._autoscale_state = decision.state
-        for role in ROLES:
-            if decision.targets[role] != sizes[role]:
-                log.info("autoscale %s: %d -> %d (%s)", role, sizes[role],
-                         decision.targets[role], decision.reasons[role])
-                self.scale(role, decision.targets[role])
+        for role, (size, target) in decision.changes().items():
+            log.info("autoscale %s: %d -> %d (%s)", role, size, target, decision.reasons[role])
+            self.scale(role, target)
         return decision
 
     # -- placing processes -------------------------------------------------------------------

@@ -122,3 +122,26 @@ def test_worker_load_from_stats_ignores_unknown_fields():
     load = WorkerLoad.from_stats({"queued_prefill_tokens": 7, "kv_blocks_used": 3,
                                   "kv_blocks_total": 4, "other": 1})
     assert load.queued_prefill_tokens == 7 and load.kv_usage == 0.75
+
+
+@pytest.mark.parametrize("sizes, loads, state, reason", [
+    ({"prefill": 1}, {"prefill": queued(5000)}, AutoscaleState(),
+     "5e+03 > high 1000, 1 of 2 in a row"),
+    ({"prefill": 6}, {"prefill": queued(*[5000] * 6)}, AutoscaleState(),
+     "5e+03 > high 1000, at max 6"),
+    ({"prefill": 2}, {"prefill": queued(0, 0)}, AutoscaleState(), "0 < low 100, 1 of 3 in a row"),
+    ({"prefill": 1}, {"prefill": queued(0)}, AutoscaleState(), "0 < low 100, at min 1"),
+    ({"prefill": 2}, {"prefill": queued(99, 99)},
+     AutoscaleState({"prefill": PoolTrend(below=2)}), "99 < low 100"),
+    ({"prefill": 2}, {"prefill": queued(500, 500)}, AutoscaleState(), "500 within [100, 1000]"),
+])
+def test_the_reason_says_why_a_pool_moves_or_holds(sizes, loads, state, reason):
+    assert POLICY.decide(sizes, loads, state).reasons["prefill"] == reason
+
+
+def test_a_scale_down_blocked_by_the_rest_going_over_high_says_so():
+    tight = AutoscalePolicy(AutoscaleConfig(
+        prefill=PREFILL, decode=ScaleRule(high=0.35, low=0.3, down_after=1)))
+    d = tight.decide({"prefill": 1, "decode": 4}, {"decode": kv(0.29, 0.29, 0.29, 0.29)})
+    assert d.reasons["decode"] == "0.28 < low 0.3, but 3 workers would be over high 0.35"
+    assert d.changes() == {} and d.sizes == {"prefill": 1, "decode": 4}

@@ -122,7 +122,7 @@ def _worker_options(container: dict):
 @pytest.mark.parametrize("role", ["prefill", "decode"])
 def test_workers_bind_the_pod_ip_register_in_redis_and_are_probed_on_their_port(objects, role):
     c = _container(objects[("Deployment", f"pdserve-{role}")])
-    assert c["command"] == ["python", "-m", f"{role}_worker"]
+    assert c["command"] == ["pdserve", f"{role}-worker"]  # test_dockerfile.py: roles
     a = _worker_options(c)  # every flag is one the worker takes
     env = _env(c)
     assert a.host == "<POD_IP>"
@@ -153,7 +153,7 @@ def test_router_discovers_workers_and_serves_its_ports(objects):
 
     d = objects[("Deployment", "pdserve-router")]
     c = _container(d)
-    assert c["command"] == ["python", "-m", "router"]
+    assert c["command"] == ["pdserve", "router"]
     cfg, http = parse([*_expand(c["args"], _env(c)), "--redis", "redis://redis:6379/0"])
     assert not cfg.prefill and not cfg.decode  # no static lists: the pools scale on their own
     assert "PDSERVE_REDIS_URL" in _env(c)

@@ -97,7 +97,8 @@ def test_tp_ranks_share_a_strict_pack_group_and_see_all_its_gpus(local_ray, redi
 
 
 def test_the_controller_actor_resizes_a_pool_for_any_driver(local_ray, redis_server):
-    from pdserve.deploy.controller import Controller, spec_to_dict
+    from pdserve.deploy.autoscale import AutoscaleConfig, AutoscalePolicy, ScaleRule
+    from pdserve.deploy.controller import Controller, RemoteCluster, spec_to_dict
 
     fake = "tests.deploy.fake_worker"
     spec = RayClusterSpec(
@@ -113,6 +114,15 @@ def test_the_controller_actor_resizes_a_pool_for_any_driver(local_ray, redis_ser
         status = ray.get(controller.status.remote())
         assert [(w["name"], w["state"]) for w in status["decode"]] == [
             ("decode-0", "ready"), ("decode-1", "ready")]
+        # What `pdserve ray up --autoscale` does each period: a decision through the actor, as
+        # plain data. Stand-in workers report no load, so only the bounds move a pool.
+        policy = AutoscalePolicy(AutoscaleConfig(prefill=ScaleRule(min_replicas=0, max_replicas=0),
+                                                 decode=ScaleRule(min_replicas=3, max_replicas=3)))
+        decision = RemoteCluster(controller, ray.get).autoscale_once(policy)
+        assert decision.changes() == {"decode": (2, 3)}
+        assert decision.reasons == {"prefill": "no load figures", "decode": "bounds [3, 3]"}
+        status = ray.get(controller.status.remote())
+        assert [w["name"] for w in status["decode"]] == ["decode-0", "decode-1", "decode-2"]
         ray.get(controller.stop.remote())
         assert not any(_alive(w["pid"]) for w in status["decode"])
     finally:
