@@ -43,7 +43,7 @@ GB = 2**30
 class TierManager:
     def __init__(self, caches: Sequence[torch.Tensor], block_size: int,
                  host_bytes: int = 0, ssd_dir: str | None = None, ssd_bytes: int = 0,
-                 on_event: TierEventFn | None = None) -> None:
+                 on_event: TierEventFn | None = None, ssd_persist: bool = False) -> None:
         self.caches = list(caches)
         self.block_size = block_size
         self._layer_bytes = [c[0].numel() * c.element_size() for c in self.caches]
@@ -63,7 +63,7 @@ class TierManager:
         self.ssd = None
         if ssd_dir is not None and ssd_bytes > 0:
             self.ssd = SSDStore(ssd_dir, ssd_bytes, self.block_bytes, block_size,
-                                notify=self._ssd_notify)
+                                notify=self._ssd_notify, persist=ssd_persist)
         self.host = None
         if host_bytes > 0:
             self.host = HostStore(host_bytes, self.block_bytes, pin=self._cuda,
@@ -72,11 +72,13 @@ class TierManager:
     @classmethod
     def create(cls, caches: Sequence[torch.Tensor], block_size: int, host_gb: float,
                ssd_dir: str | None, ssd_gb: float,
-               on_event: TierEventFn | None = None) -> TierManager | None:
+               on_event: TierEventFn | None = None,
+               ssd_persist: bool = False) -> TierManager | None:
         """A manager for the configured tiers, or None when neither is configured."""
         if host_gb <= 0 and (ssd_dir is None or ssd_gb <= 0):
             return None
-        return cls(caches, block_size, int(host_gb * GB), ssd_dir, int(ssd_gb * GB), on_event)
+        return cls(caches, block_size, int(host_gb * GB), ssd_dir, int(ssd_gb * GB), on_event,
+                   ssd_persist)
 
     # -- demotion (device → host → SSD) --------------------------------------------------
     def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:

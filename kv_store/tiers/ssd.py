@@ -12,8 +12,14 @@ never served. No pickle anywhere: raw bytes behind a struct header.
 
 Reads and writes run on a small thread pool and return futures. A segment's file descriptor is
 closed only when no read or write on it is in flight, so a descriptor number is never reused
-under a pending operation. Leftover segment files in the directory are deleted at start-up
-(the index is in memory; rebuilding it from disk is not implemented).
+under a pending operation.
+
+Without `persist`, leftover segment files are deleted at start-up and every segment at
+`close`. With `persist` (a worker with a stable id restarting), `close` keeps the files and
+start-up rebuilds the index from them: each record's header and token ids are read back
+(records of another layout are skipped; a torn or corrupted record still fails its checksum
+when read, so it is recomputed, never served), and the oldest segments beyond the capacity
+are dropped.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ class SSDStore:
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, block_bytes: int,
                  block_size: int, io_threads: int = 2,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 notify: NotifyFn | None = None) -> None:
+                 notify: NotifyFn | None = None, persist: bool = False) -> None:
         self.dir = Path(directory)
         self.block_bytes = block_bytes
         self.block_size = block_size
@@ -75,8 +81,10 @@ class SSDStore:
         self.max_segments = max(1, capacity_bytes
                                 // (self.records_per_segment * self.record_bytes))
         self.dir.mkdir(parents=True, exist_ok=True)
-        for old in self.dir.glob(SEGMENT_GLOB):
-            old.unlink()
+        self.persist = persist
+        if not persist:
+            for old in self.dir.glob(SEGMENT_GLOB):
+                old.unlink()
         self._notify = notify
         self._lock = threading.Lock()
         self._index: dict[bytes, _Loc] = {}
@@ -87,6 +95,9 @@ class SSDStore:
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="kv-ssd")
         self.num_corrupted = 0
         self.num_evicted = 0
+        self.num_recovered = 0
+        if persist:
+            self._recover()
 
     # -- queries -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -221,6 +232,43 @@ class SSDStore:
                 self._notify("removed", block_hash)
         return data
 
+    # -- recovery (persist) --------------------------------------------------------------
+    def _recover(self) -> None:
+        """Rebuild the index from the segment files a previous process left (start-up)."""
+        paths = sorted((p for p in self.dir.glob(SEGMENT_GLOB) if _segment_id(p) >= 0),
+                       key=_segment_id)
+        for path in paths:
+            seg = _Segment(_segment_id(path), path, os.open(path, os.O_RDWR))
+            seg.num_records = min(os.fstat(seg.fd).st_size // self.record_bytes,
+                                  self.records_per_segment)
+            for i in range(seg.num_records):
+                found = self._read_header(seg.fd, i * self.record_bytes)
+                if found is not None and found[0] not in self._index:
+                    self._index[found[0]] = _Loc(seg, i * self.record_bytes, found[1])
+                    seg.hashes[found[0]] = None
+            self._segments.append(seg)
+            self._next_id = seg.seg_id + 1
+        with self._lock:
+            for seg in [s for s in self._segments if not s.hashes]:
+                self._drop_segment(seg)  # nothing usable: another layout, or empty
+            while len(self._segments) > self.max_segments:
+                self._drop_segment(self._segments[0])
+        self.num_recovered = len(self._index)
+        if self._notify:
+            for h in list(self._index):
+                self._notify("stored", h)
+
+    def _read_header(self, fd: int, offset: int) -> tuple[bytes, tuple[int, ...]] | None:
+        """(hash, token ids) of the record at `offset` if its header fits this layout."""
+        n_tok = 4 * self.block_size
+        raw = os.pread(fd, HEADER.size + n_tok, offset)
+        if len(raw) != HEADER.size + n_tok:
+            return None
+        magic, version, n, h, _crc, length = HEADER.unpack_from(raw)
+        if (magic, version, n, length) != (MAGIC, VERSION, self.block_size, self.block_bytes):
+            return None
+        return h, tuple(np.frombuffer(raw, dtype="<i4", offset=HEADER.size).tolist())
+
     # -- eviction and shutdown -----------------------------------------------------------
     def _drop_segment(self, seg: _Segment) -> None:
         """Delete the oldest segment and forget its blocks (lock held)."""
@@ -242,11 +290,23 @@ class SSDStore:
             os.close(seg.fd)
 
     def close(self) -> None:
-        """Wait for pending I/O, then delete every segment."""
+        """Wait for pending I/O, then delete every segment (with `persist`: close the files
+        and keep them for the next start)."""
         self._pool.shutdown(wait=True)
         with self._lock:
             for seg in list(self._segments):
-                self._drop_segment(seg)
+                if not self.persist:
+                    self._drop_segment(seg)
+                elif not seg.dead:
+                    seg.dead = True
+                    os.close(seg.fd)
+            self._segments.clear()
+
+
+def _segment_id(path: Path) -> int:
+    """The number in `seg-<n>.pdkv`; -1 for a name this store never writes."""
+    tail = path.stem.split("-", 1)[-1]
+    return int(tail) if tail.isdigit() else -1
 
 
 def _encode(block_hash: bytes, tokens: tuple[int, ...], data: bytes) -> bytes:

@@ -53,6 +53,9 @@ class EngineConfig:
     kv_ssd_gb: float = 0.0
     """SSD KV tier capacity (GiB; 0 = off): blocks evicted from the host tier (or from the
     device when there is no host tier) land here, checksummed."""
+    kv_ssd_persist: bool = False
+    """Keep the SSD tier's segments when the engine closes and rebuild the tier from them at
+    start (a restart with the same `kv_ssd_dir` keeps its cache); off: start empty."""
     kv_demote_ahead_blocks: int = 32
     """How many of the next cached-free device blocks in eviction order are copied to the host
     tier ahead of time, between steps, so evicting them later costs no copy (0 = off; capped

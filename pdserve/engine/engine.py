@@ -280,7 +280,8 @@ class LLMEngine:
         if ssd_dir is not None and self.tp.size > 1:
             ssd_dir = os.path.join(ssd_dir, f"rank{self.tp.rank}")
         tiers = TierManager.create(caches, cfg.block_size, cfg.kv_host_gb, ssd_dir,
-                                   cfg.kv_ssd_gb, on_event=on_block_event)
+                                   cfg.kv_ssd_gb, on_event=on_block_event,
+                                   ssd_persist=cfg.kv_ssd_persist)
         if tiers is not None and self.tp_driver is not None:
             from pdserve.engine.tp.tiers import MirroredTiers
 

@@ -68,6 +68,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-dir", default=None,
                    help="SSD KV tier directory; this worker uses DIR/<worker id>")
     p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier, GiB (0 = off)")
+    p.add_argument("--kv-ssd-persist", action="store_true",
+                   help="keep the SSD tier across restarts (needs a stable --worker-id: the "
+                        "tier lives in DIR/<worker id>)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
@@ -75,6 +78,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     spec = json.loads(a.speculative_config) if a.speculative_config else None
+    if a.kv_ssd_persist and not (a.kv_ssd_dir and a.worker_id):
+        raise ValueError("--kv-ssd-persist needs --kv-ssd-dir and a stable --worker-id (the "
+                         "tier is kept in DIR/<worker id>; a default id changes every start)")
     worker_id = a.worker_id or f"{role}-{os.getpid()}"
     # Workers started with the same flags must not share (and wipe) one segment directory.
     ssd_dir = os.path.join(a.kv_ssd_dir, worker_id) if a.kv_ssd_dir else None
@@ -86,7 +92,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         attention_backend=a.attention_backend, quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
         tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
-        kv_ssd_gb=a.kv_ssd_gb)
+        kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")

@@ -234,3 +234,25 @@ def test_request_waits_only_for_its_own_ssd_reads(setup, tmp_path):
     assert engine.stats()["kv_tier_prefetched"] >= 1  # its staged reads landed in host
     assert_idle(llm)
     llm.engine.close()
+
+
+def test_persisted_ssd_tier_serves_a_restarted_engine(setup, tmp_path):
+    """With kv_ssd_persist, an engine started on the same directory finds the blocks the
+    previous one left on SSD and computes only what is new; output unchanged."""
+    path, block_bytes, prompts, ref = setup
+    opts = dict(BASE, num_gpu_blocks=10, kv_ssd_dir=str(tmp_path / "ssd"),
+                kv_ssd_gb=64 * (block_bytes + 4 * BS + 64) / 2**30, kv_ssd_persist=True)
+    first = LLM(str(path), **opts)
+    for p in prompts:
+        first.generate([p], GREEDY)
+    first.engine.tiers.flush()
+    first.engine.close()
+
+    again = LLM(str(path), **opts)
+    again.engine.tiers.bandwidth = FixedSpeeds(1e12, 1e12, 1.0)
+    assert again.engine.stats()["kv_tier_ssd_blocks"] >= 5
+    out = again.generate([prompts[0]], GREEDY)[0]
+    assert out.token_ids == ref[0]
+    assert out.num_cached_tokens >= 5 * BS  # the 5-block prefix came back from SSD
+    assert_idle(again)
+    again.engine.close()

@@ -80,10 +80,11 @@ def test_host_concurrent_puts_and_reads_stay_consistent():
 
 
 # -- SSD -------------------------------------------------------------------------------------
-def _ssd(tmp_path, records: int, per_segment: int = 2, notify=None) -> SSDStore:
+def _ssd(tmp_path, records: int, per_segment: int = 2, notify=None,
+         persist: bool = False) -> SSDStore:
     rec = 32 + 4 * BS + BB
     return SSDStore(tmp_path, records * rec, BB, BS, segment_bytes=per_segment * rec,
-                    notify=notify)
+                    notify=notify, persist=persist)
 
 
 def test_ssd_round_trip_and_token_check(tmp_path):
@@ -97,6 +98,34 @@ def test_ssd_round_trip_and_token_check(tmp_path):
     assert ssd.read(_h(2), _toks(2)).result() is None
     assert events == [("stored", _h(1))]
     ssd.close()
+
+
+def test_ssd_persisted_tier_is_rebuilt_at_start_and_survives_a_torn_record(tmp_path):
+    ssd = _ssd(tmp_path, 8, persist=True)
+    for i in range(5):
+        assert ssd.write(_h(i), _toks(i), _data(i).numpy().tobytes()).result()
+    path, offset = ssd.location(_h(3))
+    ssd.close()
+    raw = bytearray(path.read_bytes())  # a crash mid-write: record 3's bytes are torn
+    raw[offset + ssd.record_bytes - 1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    (tmp_path / "seg-junk.pdkv").write_bytes(b"not ours")
+
+    events = []
+    again = _ssd(tmp_path, 8, persist=True, notify=lambda k, h: events.append((k, h)))
+    assert again.num_recovered == 5 and len(again) == 5
+    assert sorted(h for k, h in events if k == "stored") == sorted(_h(i) for i in range(5))
+    for i in (0, 1, 2, 4):
+        assert bytes(again.read(_h(i), _toks(i)).result()) == _data(i).numpy().tobytes()
+    assert again.read(_h(3), _toks(3)).result() is None  # checksum: recomputed, not served
+    assert again.write(_h(9), _toks(9), _data(9).numpy().tobytes()).result()  # appends go on
+    again.close()
+    smaller = _ssd(tmp_path, 2, persist=True)  # capacity shrank to the newest segment
+    assert len(smaller) == 2 and _h(0) not in smaller
+    assert smaller.read(_h(9), _toks(9)).result() is not None
+    smaller.close()
+    assert _ssd(tmp_path, 8).num_recovered == 0  # without persist: start empty
+    assert not list(tmp_path.glob("seg-0*.pdkv"))
 
 
 def test_ssd_evicts_the_oldest_segment_at_capacity(tmp_path):
