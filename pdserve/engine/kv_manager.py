@@ -58,10 +58,7 @@ class KVCacheManager:
             self.update_hashes(req)
             bs = self.block_size
             hashes = req.block_hashes[:(req.num_tokens - 1) // bs]
-            start = 0
-            while start < len(hashes) and self.pool.lookup(
-                    hashes[start], req.token_slice(start * bs, (start + 1) * bs)) is not None:
-                start += 1
+            start = len(self._device_run(hashes, lambda i: req.token_slice(i * bs, (i + 1) * bs)))
             req.tier_wait = self.tiers.stage(
                 hashes[start:], [req.token_slice(i * bs, (i + 1) * bs)
                                  for i in range(start, len(hashes))])
@@ -94,14 +91,20 @@ class KVCacheManager:
                  ) -> list[int]:
         """Device blocks of the leading run of `hashes` (block i holds `tokens_of(i)`),
         continued into the lower tiers; all left cached-free or as they were (not taken)."""
+        hits = self._device_run(hashes, tokens_of)
+        if self.tiers is not None and len(hits) < len(hashes):
+            hits = self._promote(hashes, tokens_of, hits)
+        return hits
+
+    def _device_run(self, hashes: Sequence[bytes], tokens_of: Callable[[int], list[int]]
+                    ) -> list[int]:
+        """Device blocks of the leading run of `hashes` in the pool (pure lookup)."""
         hits: list[int] = []
         for i, h in enumerate(hashes):
             block = self.pool.lookup(h, tokens_of(i))
             if block is None:
                 break
             hits.append(block)
-        if self.tiers is not None and len(hits) < len(hashes):
-            hits = self._promote(hashes, tokens_of, hits)
         return hits
 
     def _promote(self, hashes: Sequence[bytes], tokens_of: Callable[[int], list[int]],

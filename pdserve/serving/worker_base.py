@@ -76,10 +76,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         Only a taker drains them: the recorder has one consumer."""
         if self.recorder is None or self.options.redis_url or not (take or snapshot):
             return b""  # with --redis the index link is the recorder's one consumer
-        if not take:  # a snapshot for a non-taker must not lose the taker's pending changes
-            return encode_batch([BlockStored(self.recorder.worker_id, hashes, tier)
-                                 for tier, hashes in self.recorder.snapshot().items()])
-        events = self.recorder.drain()
+        events = self.recorder.drain() if take else []  # a non-taker must not lose them
         if snapshot:
             events = [BlockStored(self.recorder.worker_id, hashes, tier)
                       for tier, hashes in self.recorder.snapshot().items()]

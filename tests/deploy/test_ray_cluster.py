@@ -8,13 +8,12 @@ but Ray. The serving test runs real workers and a router that discovers them in 
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
 from pdserve.deploy.spec import PoolSpec, RayClusterSpec, RouterSpec
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import worker_stats
+from tests.helpers.cluster import eventually, worker_stats
 from tests.helpers.engine import random_prompts
 from tests.helpers.redis_server import (
     RedisServer,
@@ -143,14 +142,6 @@ def _leases(server: RedisServer) -> dict[str, str]:
     return registered_workers(server.url())
 
 
-def _eventually(check, what: str, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.1)
-
-
 def test_router_serves_while_the_decode_pool_scales(local_ray, redis_server, tiny_llama):
     if not _router_discovers_workers():
         pytest.skip("the router cannot discover workers in Redis yet (router --redis URL "
@@ -192,11 +183,11 @@ def test_router_serves_while_the_decode_pool_scales(local_ray, redis_server, tin
         pids = [*pid_of.values(), cluster.router.info["pid"]]
         (removed,) = cluster.scale("decode", 1)
         assert not _alive(pid_of[removed])
-        _eventually(lambda: len(_leases(redis_server)) == 2, f"{removed} unregisters")
+        eventually(lambda: len(_leases(redis_server)) == 2, f"{removed} unregisters")
         for _ in range(3):
             assert serves() == expected
         client.close()
     finally:
         cluster.stop()
     assert pids and not any(_alive(p) for p in pids)
-    _eventually(lambda: not _leases(redis_server), "every worker unregisters")
+    eventually(lambda: not _leases(redis_server), "every worker unregisters")

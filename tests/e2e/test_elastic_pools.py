@@ -19,11 +19,11 @@ import redis
 
 from kv_store.index.redis_common import Keys, RedisIndexConfig
 from pdserve.client import AsyncClient, Client, Unavailable
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM
 from pdserve.serving.worker_base import READY_PREFIX
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
-from tests.helpers.engine import random_prompts
+from tests.helpers.engine import greedy_ids, random_prompts
 from tests.helpers.redis_server import RedisServer, require_redis_server
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,11 +57,6 @@ def reference(tiny_llama):
     return LLM(str(tiny_llama), dtype="float32")
 
 
-def _greedy(reference, prompts, max_tokens):
-    outs = reference.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
-    return [o.token_ids for o in outs]
-
-
 def _requests_served(address: str) -> float:
     counters = worker_stats(address).counters
     return counters.get("local_prefills", 0.0) + counters.get("remote_prefills", 0.0)
@@ -88,7 +83,7 @@ def test_router_started_without_worker_lists_serves_what_it_discovers(cluster, r
     prompts = random_prompts([12, 70], VOCAB, seed=1)  # one local, one remote prefill
     with Client(cluster.address, max_retries=0) as client:
         got = [client.generate(p, max_tokens=8, **GREEDY).token_ids for p in prompts]
-    assert got == _greedy(reference, prompts, 8)
+    assert got == greedy_ids(reference, prompts, 8)
     assert not any(wait_idle(cluster).values())
 
 
@@ -97,7 +92,7 @@ def test_a_decode_worker_added_later_joins_the_pool(cluster, redis_server, refer
     address = new.info["address"]
     assert _registered(redis_server, address)
     prompt = random_prompts([40], VOCAB, seed=2)[0]
-    expected = _greedy(reference, [prompt], 4)[0]
+    expected = greedy_ids(reference, [prompt], 4)[0]
     end = time.monotonic() + 30
     with Client(cluster.address, max_retries=0) as client:
         while _requests_served(address) == 0:  # round-robin: every other request, once in
@@ -114,8 +109,8 @@ def test_stopping_a_decode_worker_finishes_its_requests_and_loses_none(cluster, 
     short_prompts = random_prompts([16, 18, 22, 26, 30, 34], VOCAB, seed=4)
     # Greedy, so the reference's first HEAD tokens are the long outputs' first HEAD tokens
     # (the whole 900 would take the single-process engine a minute).
-    long_heads = _greedy(reference, long_prompts, HEAD)
-    short_expected = _greedy(reference, short_prompts, 4)
+    long_heads = greedy_ids(reference, long_prompts, HEAD)
+    short_expected = greedy_ids(reference, short_prompts, 4)
 
     async def collect(client, prompt, max_tokens, started=None):
         tokens, reason = [], None

@@ -27,11 +27,11 @@ from kv_store.index.events import (
 from kv_store.index.redis_common import Keys, RedisIndexConfig
 from pdserve.block_hash import chain_hashes
 from pdserve.client import AsyncClient, Client
-from pdserve.engine import LLM, SamplingParams
+from pdserve.engine import LLM
 from pdserve.proto import worker_pb, worker_pb_grpc
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
-from tests.helpers.engine import random_prompts
+from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_stats
+from tests.helpers.engine import greedy_ids, random_prompts
 from tests.helpers.redis_server import (
     RedisServer,
     registered_workers,
@@ -59,8 +59,8 @@ def cluster(tiny_llama, tmp_path_factory, redis_server):
     # The router asks every worker to re-publish when it starts; a worker's second
     # registration is that answer. Only then is the index settled: a re-publication wipes
     # whatever a test wrote in a worker's name.
-    _eventually(lambda: all(n >= 2 for n in _registrations(redis_server, _addresses(c))),
-                what="workers answer the router's start-up resync")
+    eventually(lambda: all(n >= 2 for n in _registrations(redis_server, _addresses(c))),
+               what="workers answer the router's start-up resync")
     yield c
     c.stop()
 
@@ -68,11 +68,6 @@ def cluster(tiny_llama, tmp_path_factory, redis_server):
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     return LLM(str(tiny_llama), dtype="float32")
-
-
-def _greedy(reference, prompts, max_tokens):
-    outs = reference.generate(prompts, SamplingParams(max_tokens=max_tokens, **GREEDY))
-    return [o.token_ids for o in outs]
 
 
 def _redis(server: RedisServer) -> redis.Redis:
@@ -107,14 +102,6 @@ def _registrations(server: RedisServer, workers: list[str]) -> list[int]:
     return list(seen.values())
 
 
-def _eventually(check, timeout_s=20.0, what=""):
-    end = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
-        time.sleep(0.1)
-
-
 def _hashes(cluster, prompt):
     with grpc.insecure_channel(_addresses(cluster, "decode")[0]) as ch:
         info = worker_pb_grpc.WorkerStub(ch).GetInfo(worker_pb.InfoRequest(), timeout=10)
@@ -137,7 +124,7 @@ def _routes_on_what_redis_says(cluster, server, reference, seed):
         with Client(cluster.address) as client:
             out = client.generate(prompt, max_tokens=4, **GREEDY)
         assert _counter(target, "local_prefills") == before + 1, target
-        assert out.token_ids == _greedy(reference, [prompt], 4)[0]
+        assert out.token_ids == greedy_ids(reference, [prompt], 4)[0]
 
 
 def test_workers_register_by_address_and_publish_their_blocks(cluster, redis_server):
@@ -146,8 +133,8 @@ def test_workers_register_by_address_and_publish_their_blocks(cluster, redis_ser
     with Client(cluster.address) as client:
         client.generate(prompt, max_tokens=4, **GREEDY)
     full = set(_hashes(cluster, prompt))
-    _eventually(lambda: any(full <= hs for hs in _stored(redis_server).values()),
-                what="a worker's stored blocks reach the stream")
+    eventually(lambda: any(full <= hs for hs in _stored(redis_server).values()),
+               what="a worker's stored blocks reach the stream")
     # One consumer of the recorder: with --redis the stats carry no KV events.
     for address in _addresses(cluster):
         with grpc.insecure_channel(address) as ch:
@@ -166,7 +153,7 @@ def test_second_turn_lands_on_its_prefix_with_a_redis_fed_index(cluster, redis_s
         hits = {a: _counter(a, "prefix_hit_blocks") for a in decode}
         turn2 = turn1 + out1.token_ids + random_prompts([40], VOCAB, seed=62)[0]
         out2 = client.generate(turn2, max_tokens=8, **GREEDY)
-    assert [out1.token_ids, out2.token_ids] == _greedy(reference, [turn1, turn2], 8)
+    assert [out1.token_ids, out2.token_ids] == greedy_ids(reference, [turn1, turn2], 8)
     gained = {a: _counter(a, "prefix_hit_blocks") - hits[a] for a in decode}
     assert max(gained.values()) >= 12  # turn 1's 12 full prompt blocks, already there
     assert not any(wait_idle(cluster).values())
@@ -174,7 +161,7 @@ def test_second_turn_lands_on_its_prefix_with_a_redis_fed_index(cluster, redis_s
 
 def test_redis_killed_mid_load_then_back_empty(cluster, redis_server, reference):
     prompts = random_prompts([20, 50, 90, 130, 170, 210, 40, 110] * 2, VOCAB, seed=90)
-    expected = _greedy(reference, prompts, 24)
+    expected = greedy_ids(reference, prompts, 24)
     first_token = asyncio.Event()
 
     async def one(client, prompt):
@@ -199,16 +186,16 @@ def test_redis_killed_mid_load_then_back_empty(cluster, redis_server, reference)
     assert got == expected
     # Every worker re-registers under its address, with its block set.
     everyone = {c.info["address"]: c.info["role"] for c in cluster.children}
-    _eventually(lambda: _leases(redis_server) == everyone, what="workers re-register")
+    eventually(lambda: _leases(redis_server) == everyone, what="workers re-register")
     held = set(_hashes(cluster, prompts[5])[:12])
-    _eventually(lambda: any(held <= hs for hs in _stored(redis_server).values()),
-                what="workers re-publish their blocks")
+    eventually(lambda: any(held <= hs for hs in _stored(redis_server).values()),
+               what="workers re-publish their blocks")
     _routes_on_what_redis_says(cluster, redis_server, reference, seed=95)
     assert not any(wait_idle(cluster).values())
 
 
 def test_workers_leave_the_registry_when_the_cluster_stops(cluster, redis_server):
-    _eventually(lambda: len(_leases(redis_server)) == 3, what="three leases")
+    eventually(lambda: len(_leases(redis_server)) == 3, what="three leases")
     cluster.stop()
     assert all(c.proc.returncode == 0 for c in cluster.children)
     assert _leases(redis_server) == {}  # unregistered, not left to expire

@@ -20,7 +20,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.proto import pb, worker_pb, worker_pb_grpc
 from tests.e2e.test_metrics import scrape, total
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle
+from tests.helpers.cluster import eventually, start_cluster, wait_idle
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -92,13 +92,6 @@ def _direct(address: str, rid: str, prompt: list[int], max_tokens: int) -> list[
             for t in ev.tokens.token_ids]
 
 
-def _wait_for(check, what: str, timeout_s: float = 20.0) -> None:
-    end = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < end, f"gave up waiting for {what}"
-        time.sleep(0.2)
-
-
 def _push_to_ssd(address: str, name: str, seed: int) -> None:
     """Run 3 prompts that each take a decode worker's whole device pool: the blocks it held
     go to host, then (host LRU, 8 slots) on to SSD."""
@@ -116,7 +109,7 @@ def _wait_for_ssd(cluster, model) -> None:
                    == total(m, "pdserve_kv_tier_bytes_total", tier="ssd", direction="in")
                    for m in _metrics(cluster).values())
 
-    _wait_for(landed, "SSD writes")
+    eventually(landed, "SSD writes")
     time.sleep(POLL_S)
 
 

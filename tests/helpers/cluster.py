@@ -85,3 +85,12 @@ def _decode_addr(hexaddr: str, v6: bool) -> str:
 
 def run(coro):
     return asyncio.run(coro)
+
+
+def eventually(check, what: str, timeout_s: float = 20.0, period_s: float = 0.1) -> None:
+    """Poll `check()` until it is true; AssertionError naming `what` after `timeout_s`."""
+    end = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > end:
+            raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+        time.sleep(period_s)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pdserve.engine import LLM
+from pdserve.engine import LLM, SamplingParams
 
 
 def assert_idle(llm: LLM) -> None:
@@ -17,3 +17,9 @@ def assert_idle(llm: LLM) -> None:
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def greedy_ids(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    """The engine's greedy output token ids (EOS ignored): what a cluster must reproduce."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return [o.token_ids for o in llm.generate(prompts, params)]
