@@ -44,3 +44,14 @@ def tiny_mistral(tmp_path_factory):
     from tests.helpers.checkpoints import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("mistral"), "mistral", seed=2)
+
+
+# Directories whose tests start real processes; everything else is a unit test.
+_DIR_MARKERS = {"e2e": "e2e", "faults": "faults", "security": "e2e"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        sub = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+        item.add_marker(getattr(pytest.mark, _DIR_MARKERS.get(sub, "unit")))
