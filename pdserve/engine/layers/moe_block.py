@@ -23,7 +23,7 @@ from pdserve.engine.layers.router import select_experts
 from pdserve.engine.moe_config import MoEConfig
 from pdserve.engine.parallel import SINGLE, ParallelContext
 
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<e>\d+)\.(?P<part>\w+)\."
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<part>\w+)\."
                             r"(?P<kind>weight|weight_scale)$")
 # Mixtral's names and the Qwen / DeepSeek names of the same three matrices.
 _EXPERT_PARTS = {"w1": "w1", "gate_proj": "w1", "w3": "w3", "up_proj": "w3",
