@@ -9,6 +9,7 @@ import shutil
 import pytest
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.layers.moe import FusedExperts
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.tp.driver import check_divisible
 from tests.helpers.checkpoints import VOCAB
@@ -31,7 +32,8 @@ def test_tp2_equals_tp1(request, ckpt, expert_parallel):
              enable_expert_parallel=expert_parallel) as llm:
         got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
         logits = llm.engine.prompt_logits(prompts[2])
-        experts = [m for m in llm.engine.runner.model.modules() if hasattr(m, "num_local")]
+        experts = [m for m in llm.engine.runner.model.modules()
+                   if isinstance(m, FusedExperts)]
         assert experts or ckpt == "tiny_qwen3"
         assert all(m.num_local == (2 if expert_parallel else 4) for m in experts)
         assert_idle(llm)
