@@ -63,6 +63,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
     p.add_argument("--model-id", default="")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: each TP rank holds whole experts instead of a slice of "
+                        "every expert")
     p.add_argument("--kv-host-gb", type=float, default=0.0,
                    help="host-memory KV tier, GiB (0 = off)")
     p.add_argument("--kv-ssd-dir", default=None,
@@ -91,7 +94,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         attention_backend=a.attention_backend, quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
-        tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
+        tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
+        kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
