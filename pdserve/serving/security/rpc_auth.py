@@ -101,23 +101,27 @@ class ClusterAuthInterceptor(grpc.aio.ServerInterceptor):
                     grpc.StatusCode.UNAUTHENTICATED, reason)
 
 
-class _AioCredential(grpc.aio.UnaryUnaryClientInterceptor,
-                     grpc.aio.UnaryStreamClientInterceptor):
-    """Client side (grpc.aio): adds a fresh credential to every call."""
+def _with_credential(key: bytes, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+    metadata = grpc.aio.Metadata(*(d.metadata or ()),
+                                 (METADATA_KEY, make_credential(key, d.method)))
+    return d._replace(metadata=metadata)
 
+
+# grpc.aio files each interceptor under one call kind only: one class per kind.
+class _AioUnaryCredential(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, key: bytes) -> None:
         self._key = key
 
-    def _details(self, d: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(d.metadata or ()),
-                                     (METADATA_KEY, make_credential(self._key, d.method)))
-        return d._replace(metadata=metadata)
-
     async def intercept_unary_unary(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(_with_credential(self._key, client_call_details), request)
+
+
+class _AioStreamCredential(grpc.aio.UnaryStreamClientInterceptor):
+    def __init__(self, key: bytes) -> None:
+        self._key = key
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):
-        return await continuation(self._details(client_call_details), request)
+        return await continuation(_with_credential(self._key, client_call_details), request)
 
 
 class _Details(grpc.ClientCallDetails):
@@ -146,7 +150,8 @@ class _SyncCredential(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientIn
 
 
 def aio_client_interceptors(key: bytes) -> list[grpc.aio.ClientInterceptor]:
-    return [_AioCredential(key)]
+    """Client side (grpc.aio): a fresh credential on every unary and server-streaming call."""
+    return [_AioUnaryCredential(key), _AioStreamCredential(key)]
 
 
 def sync_client_interceptor(key: bytes) -> grpc.UnaryUnaryClientInterceptor:
