@@ -31,7 +31,7 @@ from pdserve.serving.grpc_server import start_server
 from pdserve.serving.security import ClientSecurity, TLSError
 from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
-from pdserve.serving.worker_options import REDIS_URL_ENV
+from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
 from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
@@ -48,7 +48,7 @@ log = logging.getLogger("router")
 ENGINE_MAX_LEN_CAP = 32768
 
 
-async def open_index(redis_url: str) -> KVIndex | None:
+async def open_index(redis_url: str, redis_ca: str = "") -> KVIndex | None:
     """The started Redis KV index to follow (None without a URL); bad credentials end the
     process with a message that hides the password."""
     if not redis_url:
@@ -56,7 +56,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
     from kv_store.index.redis_common import check_url, masked_url  # redis only when used
 
     try:
-        index = create_index(check_url(redis_url), follow=True)
+        index = create_index(check_url(redis_url), follow=True, tls_ca=redis_ca)
         await index.start()
     except KVIndexConfigError as exc:
         raise SystemExit(f"router: --redis: {exc}") from None
@@ -65,7 +65,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
 
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
-    index = await open_index(cfg.redis_url)
+    index = await open_index(cfg.redis_url, cfg.redis_ca)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     prefill, decode = make_pools(cfg, index)
@@ -165,6 +165,8 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="follow the Redis KV index at URL for the workers' cached blocks "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV}); without "
                         "--prefill/--decode, also discover the workers from its registry")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
     p.add_argument("--metrics-port", type=int, default=-1,
@@ -201,7 +203,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     return RouterConfig(
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
-        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis,
+        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
         discovery_wait_s=a.discover_wait, tls=tls, internal=internal,
         metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_tokens=metrics_tokens), http

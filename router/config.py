@@ -36,6 +36,8 @@ class RouterConfig:
     redis_url: str = field(default="", repr=False)
     """Redis KV index to follow (`redis://[user]:password@host:port/db`): workers' cached
     blocks come from its event stream instead of their stats ("" = from their stats)."""
+    redis_ca: str = ""
+    """PEM CA file of a `rediss://` server ("" = the system's roots)."""
     tls: TLSConfig | None = field(default=None, repr=False)
     """TLS of the public gRPC API (and of the HTTP API and metrics, through `HttpConfig`);
     `client_ca` set = clients need a certificate from it."""

@@ -15,6 +15,8 @@ from pdserve.serving.security import args as security_args
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where `--redis` defaults from: a URL with a password is better kept out of command lines
 (visible to every local user in the process table)."""
+REDIS_CA_ENV = "PDSERVE_REDIS_CA"
+"""Where `--redis-ca` defaults from: the CA of a `rediss://` server."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class WorkerOptions:
     """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
     under its gRPC address and publishes its prefix-cache changes ("" = none: the router
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
+    redis_ca: str = ""
+    """PEM CA file of a `rediss://` server ("" = the system's roots)."""
     security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
                                        hash=False)
     """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
@@ -81,6 +85,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     security_args.add_tls_args(p, server_name=True)
     security_args.add_secret_args(p)
     security_args.add_metrics_args(p)
@@ -109,7 +115,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-                         redis_url=a.redis, security=security_from_args(a))
+                         redis_url=a.redis, redis_ca=a.redis_ca,
+                         security=security_from_args(a))
 
 
 def security_from_args(a: argparse.Namespace) -> InternalSecurity:
