@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from kv_store.transfer import rendezvous
+from kv_store.transfer.auth import FrameAuth
 from kv_store.transfer.channel import (
     BACKWARD_TAG,
     FORWARD_TAG,
@@ -196,11 +197,13 @@ class SenderPair:
             transport=self.transport,
             quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.transfer_timeout_s,
         )
-        pair_id, reply = rendezvous.offer(self._store, hello, cfg.connect_timeout_s)
+        pair_id, reply, keys = rendezvous.offer(self._store, hello, cfg.connect_timeout_s,
+                                                cfg.auth_key)
         if not reply.ok:
             raise ConnectionRefusedError(f"receiver refused the pair: {reply.reason}")
         store = rendezvous.pair_store(self._store, pair_id)
-        return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg)
+        return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg,
+                             FrameAuth.for_end(keys, sender=True) if keys else None)
 
     def _next(self) -> Outgoing | None:
         with self._cv:

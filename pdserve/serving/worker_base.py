@@ -33,6 +33,7 @@ from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
+from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 if TYPE_CHECKING:
@@ -212,9 +213,12 @@ def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
     """Entry point of a worker role: parse the shared flags, set up the process, serve."""
     parser = argparse.ArgumentParser(prog=f"{role}_worker")
     add_worker_args(parser)
+    args = parser.parse_args(argv)
     try:
-        options = options_from_args(role, parser.parse_args(argv))
+        options = options_from_args(role, args)
     except ValueError as exc:  # bad flags, unreadable TLS files or secret
         parser.error(str(exc))
+    if args.cluster_secret_file:  # its tensor-parallel followers (children) read it too
+        os.environ[CLUSTER_SECRET_FILE_ENV] = args.cluster_secret_file
     configure_process(options)
     asyncio.run(serve(options))

@@ -10,14 +10,20 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from pdserve.serving.security import rpc_auth
-from pdserve.serving.security.secret import KV_PURPOSE, RPC_PURPOSE, ClusterSecret
+from pdserve.serving.security.secret import (
+    KV_PURPOSE,
+    RPC_PURPOSE,
+    ClusterSecret,
+    load_cluster_secret,
+)
 from pdserve.serving.security.tls import ClientTLS, TLSConfig
 
 log = logging.getLogger(__name__)
@@ -90,3 +96,10 @@ class InternalSecurity:
         if not self.authenticated:
             log.warning("%s: internal API is unauthenticated (no cluster secret, no mTLS): "
                         "any process that reaches it can call it", what)
+
+
+def kv_auth_key(env: Mapping[str, str] = os.environ) -> bytes | None:
+    """The KV transfer key of a process that has no flags of its own (a tensor-parallel
+    follower): from the cluster secret its worker handed down in the environment."""
+    secret = load_cluster_secret(env)
+    return secret.key(KV_PURPOSE) if secret is not None else None
