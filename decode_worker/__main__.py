@@ -34,7 +34,8 @@ async def serve(options: WorkerOptions) -> None:
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
-    transfer = TransferConfig(auth_key=options.security.kv_key())  # signed pairs only
+    # Signed pairs only; our own KV pushes listen on --host too.
+    transfer = TransferConfig(host=options.host, auth_key=options.security.kv_key())
     receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
     receiver.start()
     service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes

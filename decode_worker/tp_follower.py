@@ -36,7 +36,8 @@ class DecodeFollower(FollowerPlugin):
             on_ready=lambda rid, meta: store.set(ready_key(rid, self.rank), "ok"),
             on_error=lambda rid, why: store.set(ready_key(rid, self.rank), f"fail: {why}"),
             head_start=heads.start, primary=False)
-        self.receiver = KVReceiver(host, 0, self.sink, TransferConfig(auth_key=kv_auth_key()))
+        config = TransferConfig(host=host, auth_key=kv_auth_key())
+        self.receiver = KVReceiver(host, 0, self.sink, config)
         self.receiver.start()
         store.set(endpoint_key(self.rank), self.receiver.address)
 

@@ -11,7 +11,7 @@ from prefill_worker.kv_streamer import BlockSend, KVStreamer
 class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
-        self.sender = KVSender(TransferConfig(auth_key=kv_auth_key()))
+        self.sender = KVSender(TransferConfig(host=host, auth_key=kv_auth_key()))
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)

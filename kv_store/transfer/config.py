@@ -50,6 +50,11 @@ class TransferConfig:
     """CUDA device that NCCL pairs use on the receiver (None: the device that is current in the
     thread calling `KVReceiver.start()`)."""
 
+    host: str = ""
+    """Sender: the local address its gloo device listens on for a pair ("", or a wildcard:
+    the address this machine uses to reach the receiver). A worker passes its `--host`, so
+    nothing it opens listens on another interface."""
+
     auth_key: bytes | None = field(default=None, repr=False)
     """KV key derived from the cluster secret (`InternalSecurity.kv_key`): pairs are opened
     only between ends that hold it and every header is sealed (`auth`). None = open pairs

@@ -193,7 +193,8 @@ class SenderPair:
         self._store = rendezvous.connect(self.address, cfg.connect_timeout_s)
         hello = rendezvous.Hello(
             sender=f"{socket.gethostname()}:{os.getpid()}",
-            host=rendezvous.local_host_for(host),
+            host=(cfg.host if cfg.host not in ("", "0.0.0.0", "::")
+                  else rendezvous.local_host_for(host)),
             transport=self.transport,
             quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.transfer_timeout_s,
         )

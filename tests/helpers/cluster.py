@@ -22,8 +22,8 @@ def start_cluster(model: Path, tmp: Path, prefill: int = 1, decode: int = 1,
                   worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
                   prefill_tp: int = 1, decode_tp: int = 1,
                   env: dict[str, str] | None = None, redis_url: str = "",
-                  tls: bool = False) -> LocalCluster:
-    spec = ClusterSpec(model=str(model), port=0, num_prefill=prefill, num_decode=decode,
+                  tls: bool = False, host: str = "127.0.0.1") -> LocalCluster:
+    spec = ClusterSpec(model=str(model), host=host, port=0, num_prefill=prefill, num_decode=decode,
                        prefill_tp=prefill_tp, decode_tp=decode_tp,
                        threads_per_worker=1, worker_args=("--dtype", "float32", *worker_args),
                        router_args=router_args, log_dir=str(tmp / "logs"),
