@@ -91,3 +91,21 @@ def test_nothing_listens_off_the_given_host_and_pickles_run_nothing(cluster, tmp
     send_pickles(addresses, tmp_path / "pwned")
     with Client(cluster.address, root_certificates=cluster.root_certificates) as client:
         assert client.generate([3, 4, 5], timeout=60, **GREEDY).token_ids
+
+
+def test_bench_over_grpc_and_https_with_the_cluster_ca(cluster, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.helpers.checkpoints import VOCAB as vocab
+
+    for server in (["--target", cluster.address],
+                   ["--openai-url", f"https://{cluster.http_address}/v1"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "pdserve", "bench", "--vocab-size", str(vocab),
+             "--no-progress", *server, "--tls-ca", cluster.ca_path, "--num-prompts", "2",
+             "--input-len", "8", "--output-len", "3", "--output", str(tmp_path / "r.json")],
+            capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert json.loads((tmp_path / "r.json").read_text())["summary"]["failed"] == 0
