@@ -109,9 +109,13 @@ def cmd_up(a: argparse.Namespace) -> int:
     model = a.model or str(ensure_demo_model())
     secret = ""
     if a.cluster_secret_file:
-        from pdserve.serving.security import load_cluster_secret
+        from pdserve.serving.security import SecretError, load_cluster_secret
 
-        secret = load_cluster_secret({}, a.cluster_secret_file).value.decode()
+        try:
+            secret = load_cluster_secret({}, a.cluster_secret_file).value.decode()
+        except SecretError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
     spec = ClusterSpec(model=model, host=a.host, port=a.port, num_prefill=a.prefill,
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
                        prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
