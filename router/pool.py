@@ -186,8 +186,12 @@ class WorkerPool:
             # the slack covers a starved machine, not a slow engine step.
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
             stats = await w.stub.GetStats(request, timeout=2 * self.period_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             w.misses += 1
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED and w.misses == self.max_misses:
+                log.warning("%s worker %s refuses the router's credentials (%s): is it in "
+                            "another cluster (cluster secret, CA)?", self.role, w.address,
+                            exc.details())
             if w.misses >= self.max_misses and w.healthy:
                 log.warning("%s worker %s missed %d polls; out of the pool",
                             self.role, w.address, w.misses)

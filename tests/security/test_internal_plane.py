@@ -6,13 +6,14 @@ sender, runs no code with a pickle, and reads no secret in `ps` or the logs."""
 from __future__ import annotations
 
 import threading
-import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
+from pathlib import Path
 
 import grpc
 import pytest
+import torch
 import torch.distributed as dist
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -114,20 +115,12 @@ def test_forged_kv_hellos_are_refused_and_the_victim_completes(cluster, referenc
             store.queue_push("pairs/hello", "1")  # an id that was answered already
         # a sender process without the secret, speaking the protocol properly
         with KVSender(TransferConfig(connect_timeout_s=5.0)) as sender:
-            sender.send_layer(kv, "victim", 0, [0], _fake_layer())
+            sender.send_layer(kv, "victim", 0, [0], torch.zeros((1, 2, 2, 16, 8)))
             with pytest.raises(TransferError, match="MAC|refused"):
                 sender.finish(kv, "victim", {"first_token": 1}).result(20)
 
     _while_a_victim_runs(cluster, reference, attack)
-    stats = worker_stats(cluster.workers("decode")[0].info["address"])
     assert not any(wait_idle(cluster).values())
-    assert stats.num_running == 0
-
-
-def _fake_layer():
-    import torch
-
-    return torch.zeros((1, 2, 2, 16, 8), dtype=torch.float32)
 
 
 def test_pickles_sent_to_every_port_run_nothing(cluster, reference, tmp_path):
@@ -151,17 +144,14 @@ def test_metrics_need_their_token(cluster):
         assert b"pdserve_" in r.read()
 
 
-def test_no_secret_in_any_command_line_or_log(cluster, tmp_path_factory):
+def test_no_secret_in_any_command_line_or_log(cluster):
     _generate(cluster, [5, 6, 7], "for-the-logs")
     lines = command_lines(cluster)
     assert len(lines) >= 3
     for pid, line in lines.items():
         assert not any(s in line for s in SECRETS), (pid, line)
-    logs = cluster.spec.log_dir
-    time.sleep(0)  # logs are flushed line by line
-    import pathlib
-
-    texts = {p.name: p.read_text(errors="replace") for p in pathlib.Path(logs).glob("*.log")}
+    logs = Path(cluster.spec.log_dir)
+    texts = {p.name: p.read_text(errors="replace") for p in logs.glob("*.log")}
     assert texts
     for name, text in texts.items():
         assert not any(s in text for s in SECRETS), name

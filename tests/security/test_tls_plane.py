@@ -4,7 +4,10 @@ nothing listens anywhere but the given host."""
 
 from __future__ import annotations
 
+import json
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -94,16 +97,10 @@ def test_nothing_listens_off_the_given_host_and_pickles_run_nothing(cluster, tmp
 
 
 def test_bench_over_grpc_and_https_with_the_cluster_ca(cluster, tmp_path):
-    import json
-    import subprocess
-    import sys
-
-    from tests.helpers.checkpoints import VOCAB as vocab
-
     for server in (["--target", cluster.address],
                    ["--openai-url", f"https://{cluster.http_address}/v1"]):
         out = subprocess.run(
-            [sys.executable, "-m", "pdserve", "bench", "--vocab-size", str(vocab),
+            [sys.executable, "-m", "pdserve", "bench", "--vocab-size", str(VOCAB),
              "--no-progress", *server, "--tls-ca", cluster.ca_path, "--num-prompts", "2",
              "--input-len", "8", "--output-len", "3", "--output", str(tmp_path / "r.json")],
             capture_output=True, text=True, timeout=120)
