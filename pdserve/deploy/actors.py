@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pdserve.deploy.process import CLUSTER_SECRET_ENV, ManagedProcess, ProcessState
+from pdserve.deploy.process import ManagedProcess, ProcessState
 
 
 def node_ip() -> str:
@@ -43,7 +43,7 @@ class ProcessActor:
     def __init__(self, name: str) -> None:
         self.name = name
         self.process: ManagedProcess | None = None
-        self._secret = ""  # the cluster secret its process got, to call it (stats)
+        self._env: dict[str, str] = {}
 
     def host(self) -> str:
         return node_ip()
@@ -61,7 +61,7 @@ class ProcessActor:
         # Ray's own token (RAY_AUTH_TOKEN) stays with Ray: pdserve processes never call it.
         inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
         child_env = {**inherited, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
-        self._secret = env.get(CLUSTER_SECRET_ENV, "")
+        self._env = dict(env)  # its cluster secret and TLS files, to call it (stats)
         self.process = ManagedProcess([sys.executable, "-m", module, *args], child_env,
                                       name=self.name)
         info = self.process.wait_ready(timeout_s)
@@ -82,7 +82,7 @@ class ProcessActor:
         if self.process is None or "address" not in self.process.info:
             return {"error": f"{self.name}: not running"}
         try:
-            return worker_stats(self.process.info["address"], timeout_s, self._secret)
+            return worker_stats(self.process.info["address"], timeout_s, self._env)
         except grpc.RpcError as exc:
             return {"error": f"{self.name}: GetStats: {exc.code().name}"}
 
@@ -93,13 +93,20 @@ class ProcessActor:
         return self.process.stop(grace_s)
 
 
-def worker_stats(address: str, timeout_s: float, secret: str = "") -> dict:
-    """GetStats of the worker at `address` (authenticated with the cluster `secret`), as the
-    load figures the cluster manager uses."""
+def worker_stats(address: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """GetStats of the worker at `address`, as the load figures the cluster manager uses;
+    authenticated like the worker itself is configured in `env` (the cluster secret, and its
+    TLS files: `PDSERVE_TLS_CA` and its certificate as a client certificate)."""
     from pdserve.proto import worker_pb, worker_pb_grpc
-    from pdserve.serving.security import ClientSecurity, ClusterSecret
+    from pdserve.serving.security import ClientSecurity, ClientTLS, load_cluster_secret
 
-    security = ClientSecurity(secret=ClusterSecret(secret.encode()) if secret else None)
+    env = env or {}
+    tls = None
+    if env.get("PDSERVE_TLS_CA"):
+        tls = ClientTLS.from_files(env["PDSERVE_TLS_CA"], env.get("PDSERVE_TLS_CERT") or None,
+                                   env.get("PDSERVE_TLS_KEY") or None,
+                                   env.get("PDSERVE_TLS_SERVER_NAME", ""))
+    security = ClientSecurity(tls, load_cluster_secret(env))
     with security.channel(address) as channel:
         s = worker_pb_grpc.WorkerStub(channel).GetStats(worker_pb.StatsRequest(),
                                                         timeout=timeout_s)
