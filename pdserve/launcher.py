@@ -29,7 +29,9 @@ from pdserve.serving.worker_options import REDIS_URL_ENV
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    model: str
+    model: str = ""
+    """Checkpoint path for every process ("" = the embedded default model, prepared once by
+    the launcher before any child starts)."""
     host: str = "127.0.0.1"
     port: int = 50051
     num_prefill: int = 1
@@ -70,6 +72,16 @@ class LocalCluster:
         self.children: list[Child] = []
         self.router: Child | None = None
         self._started = {"prefill": 0, "decode": 0}  # workers ever started, for unique ids
+        self._model = spec.model
+
+    @property
+    def model(self) -> str:
+        """The checkpoint path the children serve (the default model prepared on first use)."""
+        if not self._model:
+            from pdserve.default_model import ensure_default_model
+
+            self._model = str(ensure_default_model())
+        return self._model
 
     @property
     def address(self) -> str:
@@ -108,7 +120,7 @@ class LocalCluster:
         http_set = s.port != 0 or any(x.startswith("--http-port") for x in s.router_args)
         http = [] if http_set else ["--http-port", "0"]
         self.router = self._spawn("router", "router", [
-            "--model", s.model, "--host", s.host, "--port", str(s.port), *workers, *http,
+            "--model", self.model, "--host", s.host, "--port", str(s.port), *workers, *http,
             *s.router_args])
         self._wait_ready(self.router, timeout_s)
 
@@ -148,7 +160,7 @@ class LocalCluster:
         self._started[role] += 1
         tp = s.decode_tp if role == "decode" else s.prefill_tp
         return self._spawn(name, f"{role}_worker", [
-            "--model", s.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
+            "--model", self.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
             "--worker-id", name, "--tp", str(tp)])
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
