@@ -130,13 +130,10 @@ class GGUFVocab:
             add_space_prefix=opt("add_space_prefix"),
             chat_template=meta.get("tokenizer.chat_template"), extra_eos_ids=extra)
 
-    def token(self, token_id: int | None) -> str | None:
-        if token_id is None:
-            return None
-        if not 0 <= token_id < len(self.tokens):
+    def check_id(self, token_id: int | None) -> None:
+        if token_id is not None and not 0 <= token_id < len(self.tokens):
             raise ValueError(f"GGUF special token id {token_id} is outside the vocabulary of "
                              f"{len(self.tokens)}")
-        return self.tokens[token_id]
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
@@ -151,9 +148,14 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         raise ValueError(f"GGUF tokenizer model {vocab.model!r} is not supported "
                          "(supported: gpt2, llama)")
     _add_special_tokens(backend, vocab)
+
+    def token(token_id: int | None) -> str | None:  # as the backend spells it
+        vocab.check_id(token_id)
+        return None if token_id is None else backend.id_to_token(token_id)
+
     return Tokenizer(
-        backend, bos_token=vocab.token(vocab.bos_id), eos_token=vocab.token(vocab.eos_id),
-        pad_token=vocab.token(vocab.pad_id), unk_token=vocab.token(vocab.unk_id),
+        backend, bos_token=token(vocab.bos_id), eos_token=token(vocab.eos_id),
+        pad_token=token(vocab.pad_id), unk_token=token(vocab.unk_id),
         add_bos_token=add_bos, add_eos_token=bool(vocab.add_eos),
         chat_template=vocab.chat_template, extra_eos_token_ids=vocab.extra_eos_ids)
 
