@@ -148,3 +148,10 @@ def test_model_path_can_be_a_directory_with_a_gguf(tmp_path, tiny_qwen2):
         want = ref.generate(["Hello world"], SamplingParams(max_tokens=4, temperature=0,
                                                             ignore_eos=True))
     assert out[0].token_ids == want[0].token_ids and out[0].text == want[0].text
+
+
+def test_a_gguf_draft_model_for_speculative_decoding(tmp_path, tiny_qwen2):
+    draft = gguf_from_hf(tiny_qwen2, tmp_path / "draft.gguf", "qwen2")
+    spec = {"model": str(draft), "num_speculative_tokens": 3}
+    assert_same(engine_greedy(tiny_qwen2, PROMPTS[:2], speculative_config=spec),
+                engine_greedy(tiny_qwen2, PROMPTS[:2]))
