@@ -80,7 +80,8 @@ def default_model_hf_ref(default_model_engine_ref):
     from pdserve.default_model import source_file
     from tests.helpers.real_model import hf_reference
 
-    return hf_reference(source_file(), default_model_engine_ref["prompt_ids"])
+    ref = default_model_engine_ref
+    return hf_reference(source_file(), ref["prompt_ids"], ref["greedy"])
 
 
 # Directories whose tests start real processes; everything else is a unit test.

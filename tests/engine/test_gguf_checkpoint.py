@@ -161,7 +161,7 @@ def test_a_directory_holding_one_gguf_is_served_under_its_name(tmp_path, tiny_hf
 
 def test_paths_that_are_no_checkpoint_are_refused(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ValueError, match="not a .gguf"):
+    with pytest.raises(ValueError, match="not a GGUF file"):
         open_checkpoint(tmp_path / "notes.txt")
     with pytest.raises(ValueError, match="neither a config.json"):
         open_checkpoint(tmp_path)

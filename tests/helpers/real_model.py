@@ -43,19 +43,26 @@ def engine_reference(model_dir: Path) -> dict:
             "chat_ids": chat_ids, "chat_text": chat.text, "chat_tokens": chat.token_ids}
 
 
-def hf_reference(source: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
-    """transformers' greedy continuations from the original GGUF, fp32, one prompt at a time."""
+def hf_reference(source: Path, prompt_ids: list[list[int]], continuations: list[list[int]]
+                 ) -> dict:
+    """transformers' greedy choice, fp32, from the original GGUF file.
+
+    `generate` runs (KV cache, one token at a time) for the first prompt; for every prompt, one
+    forward over prompt + the engine's continuation gives transformers' argmax at each
+    position, which equals the continuation exactly when greedy decoding would produce it.
+    """
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         source.parent, gguf_file=source.name, dtype=torch.float32).eval()
-    outs = []
     with torch.no_grad():
-        for ids in prompt_ids:
-            x = torch.tensor([ids])
-            gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                                 max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 eos_token_id=None, pad_token_id=0)
-            outs.append(gen[0, len(ids):].tolist())
-    return outs
+        x = torch.tensor([prompt_ids[0]])
+        gen = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                             eos_token_id=None, pad_token_id=0)
+        argmax = []
+        for ids, cont in zip(prompt_ids, continuations, strict=True):
+            logits = model(torch.tensor([ids + cont[:-1]])).logits[0]
+            argmax.append(logits[len(ids) - 1:].argmax(-1).tolist())
+    return {"generate_first": gen[0, len(prompt_ids[0]):].tolist(), "argmax": argmax}

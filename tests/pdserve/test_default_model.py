@@ -17,6 +17,10 @@ import pytest
 from pdserve import default_model as dm
 from tests.helpers.real_model import PROMPTS, QUESTION, require_default_model
 
+# The session's shared references (engine + transformers on the real model) are built inside
+# the first test that needs them; a loaded shared machine can make that slow.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture()
 def source() -> Path:
@@ -26,7 +30,9 @@ def source() -> Path:
 
 def test_engine_greedy_equals_transformers_token_for_token(default_model_engine_ref,
                                                            default_model_hf_ref):
-    assert default_model_engine_ref["greedy"] == default_model_hf_ref
+    greedy = default_model_engine_ref["greedy"]
+    assert default_model_hf_ref["generate_first"] == greedy[0]
+    assert default_model_hf_ref["argmax"] == greedy  # transformers' pick at every position
 
 
 def test_the_chat_answer_is_right(default_model_engine_ref):

@@ -2,7 +2,7 @@
 
     open_checkpoint(path)
         a directory with config.json      -> HFCheckpoint   (hf.py: safetensors)
-        FILE.gguf                          -> GGUFCheckpoint (gguf_file.py)
+        a GGUF file (by its magic bytes)   -> GGUFCheckpoint (gguf_file.py)
         a directory holding one .gguf      -> GGUFCheckpoint, served under the directory's name;
                                               its tokenizer.json, if any, is the tokenizer
 
@@ -16,14 +16,18 @@ from pathlib import Path
 
 from pdserve.engine.checkpoint.base import Checkpoint
 
+GGUF_MAGIC = b"GGUF"
+
 
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """The checkpoint at `path`; ValueError (naming the path) for anything else."""
     p = Path(path).expanduser()
     if p.is_file():
-        if p.suffix.lower() != ".gguf":
-            raise ValueError(f"model path {p} is a file but not a .gguf: give a Hugging Face "
-                             "checkpoint directory, a .gguf file or a directory holding one")
+        with open(p, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ValueError(f"model path {p} is a file but not a GGUF file: give a Hugging "
+                             "Face checkpoint directory, a .gguf file or a directory holding one")
         from pdserve.engine.checkpoint.gguf_file import GGUFCheckpoint
 
         return GGUFCheckpoint(p)
