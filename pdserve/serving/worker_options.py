@@ -86,12 +86,13 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     worker_id = a.worker_id or f"{role}-{os.getpid()}"
     # Workers started with the same flags must not share (and wipe) one segment directory.
     ssd_dir = os.path.join(a.kv_ssd_dir, worker_id) if a.kv_ssd_dir else None
-    if a.model is None:
+    model = a.model
+    if model is None:
         from pdserve.default_model import ensure_default_model
 
-        a.model = str(ensure_default_model())
+        model = str(ensure_default_model())
     engine = EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        model=model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
