@@ -11,6 +11,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.engine.finish import FinishReason
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
@@ -37,7 +38,7 @@ class OutputChunk:
     token_ids: list[int]
     text: str
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
 
@@ -79,7 +80,7 @@ class Frontend:
                     yield OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [])
                     if delta.stopped:
                         trace.finish("OK")  # before the yield: the caller may stop reading
-                        yield OutputChunk([], "", [], "stop", Usage(n_prompt, sent, 0))
+                        yield OutputChunk([], "", [], FinishReason.STOP, Usage(n_prompt, sent, 0))
                         return
                 elif isinstance(ev, FinishEvent):
                     trace.finish("OK", ev.cached_tokens)
