@@ -1,11 +1,12 @@
 """The prefill worker's gRPC service.
 
     Prefill() ─► engine (max_tokens=1, chunked with other prefills) ─► each layer's new KV
-    streamed to the decode worker ─► first token sampled ─► DONE{token} to the decode worker
-                                                           └► PrefillResponse to the router
+    streamed to the decode worker ─► first token sampled ─► PrefillDone{token} to the decode
+                                                           worker └► PrefillResponse to the router
 
 The response does not wait for the transfer to finish: the router streams the first token to
-the client at once (TTFT), while the decode worker waits for the KV.
+the client at once (TTFT), while the decode worker waits for the KV. The transfer runs on the
+decode worker's lease (`KVTarget.lease_s`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pdserve.engine.outputs import StepOutput
 from pdserve.proto import worker_pb
 from pdserve.serving.convert import logprob_to_pb, params_from_pb
 from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.kv_lease import Lease
+from pdserve.serving.kv_messages import PrefillDone
 from pdserve.serving.worker_base import WorkerServicerBase
 from pdserve.serving.worker_options import WorkerOptions
 from prefill_worker.kv_streamer import KVStreamer
@@ -56,10 +59,10 @@ class PrefillService(WorkerServicerBase):
             if out.finished and out.new_token_ids:
                 self._marks.get(out.request_id, []).append(t1)
                 lp = out.new_logprobs[0]
-                # t_done (wall clock) lets the decode worker measure the exposed transfer.
-                meta = {"token_id": out.new_token_ids[0],
-                        "logprob": None if lp is None else lp.logprob, "t_done": time.time()}
-                future = self.streamer.finish(out.request_id, meta)
+                # sampled_at (wall clock) lets the decode worker measure the exposed transfer.
+                first = PrefillDone(out.new_token_ids[0], None if lp is None else lp.logprob,
+                                    time.time())
+                future = self.streamer.finish(out.request_id, first)
                 if future is not None:
                     future.add_done_callback(self._transfer_done)
         return outputs
@@ -89,6 +92,7 @@ class PrefillService(WorkerServicerBase):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "target must name a KV endpoint and a block per prompt block")
         ids = list(request.prompt_token_ids)
+        lease = Lease.start(target.lease_s or self.options.lease.kv_lease_s)
         stream = self.loop.open_stream(rid)
         self._marks[rid] = [time.perf_counter()]
         done = False
@@ -97,7 +101,8 @@ class PrefillService(WorkerServicerBase):
                 engine.add_request(rid, ids, first, request.seed)
                 endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
                              for e in target.endpoints]
-                self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks)
+                self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks,
+                                  lease)
             try:
                 await self.loop.call(admit)
             except ValueError as exc:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from kv_store.transfer import KVSender, TransferConfig
+from kv_store.transfer import KVSender
 from pdserve.engine.tp.follower import FollowerPlugin
+from pdserve.serving.kv_lease import LeaseConfig
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
 
 class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
-        self.sender = KVSender(TransferConfig())
+        # Every lease comes from rank 0's sends; the default config only caps them.
+        self.sender = KVSender(LeaseConfig().transfer_config())
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)
@@ -22,7 +24,7 @@ class PrefillFollower(FollowerPlugin):
     def after_step(self, extra: dict) -> None:
         for s in self._sends:
             if s.last:  # the prompt is complete: close this rank's pairs for the request
-                self.streamer.finish(s.request_id, {})
+                self.streamer.finish(s.request_id, None, s.lease_s)
                 self.streamer.sent_bytes.pop(s.request_id, None)
 
     def close(self) -> None:

@@ -28,7 +28,7 @@ from kv_store.index.events import Tier
 from kv_store.index.prefix import PrefixMatch
 from pdserve.block_hash import chain_hashes
 from pdserve.proto import pb, worker_pb
-from pdserve.serving.convert import FINISH_FROM_PB, params_to_pb
+from pdserve.serving.convert import finish_from_pb, params_to_pb
 from router import policy
 from router.pool import WorkerHandle, WorkerPool
 from router.validation import ValidRequest
@@ -144,8 +144,9 @@ class Flow:
         p = self._pick_prefill(len(req.prompt_token_ids), blocks.matches)
         self._hint(rid, p, blocks)
         self._expect_blocks(p, blocks.hashes)
+        lease_s = ready.kv_lease_s - (time.perf_counter() - timings.decode_ready)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
-                                    skip_blocks=ready.cached_blocks)
+                                    skip_blocks=ready.cached_blocks, lease_s=max(lease_s, 1e-3))
         p.inflight += 1
         try:
             resp = await p.stub.Prefill(worker_pb.PrefillRequest(
@@ -180,7 +181,7 @@ class Flow:
                 yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs))
             elif kind == "finished":
                 f = ev.finished
-                yield FinishEvent(FINISH_FROM_PB.get(f.reason, "abort"), f.prompt_tokens,
+                yield FinishEvent(finish_from_pb(f.reason), f.prompt_tokens,
                                   f.completion_tokens, f.cached_tokens)
                 return
 

@@ -150,6 +150,12 @@ class LLMEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.scheduler.requests
 
+    @property
+    def hash_extra(self) -> bytes:
+        """The block hash's `extra` (model, KV layout, block size): equal on two engines
+        exactly when their KV blocks are interchangeable."""
+        return self.scheduler.kv.hash_extra
+
     # -- requests whose KV arrives from elsewhere (pdserve.engine.remote_kv) -----------------
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: SamplingParams, seed: int) -> KVReservation:
@@ -196,6 +202,15 @@ class LLMEngine:
         to pull, the request is queued as usual. Raises ValueError for a bad request."""
         req = self._new_request(request_id, prompt_token_ids, params, seed, generated)
         return self.scheduler.reserve_pull(req, source_blocks)
+
+    def pin_leading(self, token_ids: Sequence[int], start: int, end: int) -> list[int]:
+        """The pushing side of a pull: pin the run of blocks [start, end) of `token_ids` this
+        engine holds (hash and token ids checked; host/SSD blocks loaded), stopping at the
+        first miss; their KV can be read outside a step until `unpin`."""
+        return self.scheduler.kv.pin_leading(token_ids, start, end)
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.scheduler.kv.unpin(block_ids)
 
     def settle_pull(self, request_id: str, landed: int) -> int:
         """End a pull with `landed` leading blocks of its range in place (0: it failed): they

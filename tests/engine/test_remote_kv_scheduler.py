@@ -144,3 +144,14 @@ def test_arrival_tracks_parts_and_refuses_what_was_not_reserved():
     assert not arrival.complete
     arrival.limit(1)  # the source only had block 2
     assert arrival.complete
+
+
+def test_the_pushing_side_pins_a_run_from_a_later_block_checking_hashes_and_tokens():
+    s = make(cached=4)
+    kv = s.kv
+    run = kv.pin_leading(PROMPT, 2, 5)
+    assert len(run) == 2 and kv.pool.num_used == 2  # blocks 2, 3 (block 4 is not held)
+    kv.unpin(run)
+    other = PROMPT[:8] + [0] * 13  # same first two blocks, different block 2
+    assert kv.pin_leading(other, 2, 5) == []
+    assert kv.pool.is_idle()

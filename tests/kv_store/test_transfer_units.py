@@ -22,8 +22,8 @@ ADDRESS = "127.0.0.1:1"
 
 @pytest.mark.parametrize("header", [
     Header(Kind.LAYER, rid="r1", layer=3, blocks=(7, 0, 12), shape=(3, 2, 4, 16, 8),
-           dtype="bfloat16"),
-    Header(Kind.DONE, rid="r1", meta={"first_token": 17, "logprob": -0.5}),
+           dtype="bfloat16", lease_s=2.5),
+    Header(Kind.DONE, rid="r1", body=b"\x81\xa1v\x01", lease_s=0.25),
     Header(Kind.ABORT, rid="r1", reason="client went away"),
     Header(Kind.CLOSE, reason="idle"),
 ])
@@ -43,15 +43,20 @@ def test_foreign_version_is_rejected_naming_both_versions():
 
 
 @pytest.mark.parametrize("doc, field", [
-    ({"kind": "layer", "rid": "r", "layer": -1, "blocks": [1], "shape": [1], "dtype": "uint8"},
-     "layer"),
+    ({"kind": "layer", "rid": "r", "layer": -1, "blocks": [1], "shape": [1], "dtype": "uint8",
+      "lease_s": 1.0}, "layer"),
+    ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1], "shape": [1], "dtype": "uint8"},
+     "lease_s"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1, 2], "shape": [1, 4],
       "dtype": "uint8"}, "shape"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1], "shape": [1], "dtype": "int64"},
      "dtype"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [-3], "shape": [1], "dtype": "uint8"},
      "blocks"),
-    ({"kind": "done", "rid": "r", "meta": [1, 2]}, "meta"),
+    ({"kind": "done", "rid": "r", "body": [1, 2], "lease_s": 1.0}, "body"),
+    ({"kind": "done", "rid": "r", "body": b"", "lease_s": 1}, "lease_s"),
+    ({"kind": "done", "rid": "r", "body": b"x" * (wire.MAX_BODY_BYTES + 1), "lease_s": 1.0},
+     "body"),
     ({"kind": "abort", "rid": "", "reason": "x"}, "rid"),
     ({"kind": "teleport", "rid": "r"}, "kind"),
 ])
@@ -109,7 +114,7 @@ def test_history_forgets_the_oldest_first():
 @pytest.mark.parametrize("kwargs, field", [
     ({"backend": "mpi"}, "backend"),
     ({"lease_s": 0}, "lease_s"),
-    ({"transfer_timeout_s": -1.0}, "transfer_timeout_s"),
+    ({"io_timeout_s": -1.0}, "io_timeout_s"),
     ({"max_pairs": 0}, "max_pairs"),
     ({"idle_timeout_s": "5"}, "idle_timeout_s"),
     ({"cuda_device": -1}, "cuda_device"),
@@ -151,9 +156,11 @@ def test_send_layer_validates_its_arguments(sender, args, field):
         sender.state("r")  # nothing was recorded
 
 
-def test_finish_requires_msgpack_meta(sender):
-    with pytest.raises(ValueError, match="meta"):
-        sender.finish(ADDRESS, "r", {"tensor": torch.zeros(1)})
+def test_finish_requires_a_bytes_body_and_a_sane_lease(sender):
+    with pytest.raises(ValueError, match="body"):
+        sender.finish(ADDRESS, "r", {"token_id": 1})
+    with pytest.raises(ValueError, match="lease_s"):
+        sender.finish(ADDRESS, "r", b"", lease_s=float("nan"))
 
 
 def test_closed_sender_refuses_work():
