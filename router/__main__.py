@@ -116,8 +116,9 @@ def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, Wo
     """The (prefill, decode) pools: the static lists, or empty ones that discovery fills."""
     # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
     prefix = index.prefix if index is not None else PrefixIndex()
-    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
-                                  prefix, events_from_stats=index is None)
+    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s,
+                                  cfg.heartbeat_timeout_s, prefix,
+                                  events_from_stats=index is None)
                        for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
     return prefill, decode
 
@@ -154,6 +155,14 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                         "--prefill/--decode, also discover the workers from its registry")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
+    p.add_argument("--health-period", type=float, default=RouterConfig.health_period_s,
+                   metavar="S", help="how often each worker is polled (its heartbeat)")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=RouterConfig.heartbeat_timeout_s, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests migrate")
+    p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
+                   metavar="N", help="most moves of one request to another worker after a "
+                                     "worker failure (0: fail it instead)")
     a = p.parse_args(argv)
     prefill = tuple(x for x in a.prefill.split(",") if x)
     decode = tuple(x for x in a.decode.split(",") if x)
@@ -162,6 +171,10 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                 "discover the workers from its registry")
     if a.discover_wait < 0:
         p.error("--discover-wait must be >= 0")
+    if a.health_period <= 0 or a.heartbeat_timeout <= 0:
+        p.error("--health-period and --heartbeat-timeout must be > 0")
+    if a.migration_limit < 0:
+        p.error("--migration-limit must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
@@ -171,7 +184,8 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis,
-        discovery_wait_s=a.discover_wait), http
+        discovery_wait_s=a.discover_wait, health_period_s=a.health_period,
+        heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit), http
 
 
 def main(argv: list[str] | None = None) -> None:

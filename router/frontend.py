@@ -18,6 +18,7 @@ from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.flow import FinishEvent, Flow, FlowTimings, TokenEvent
+from router.migration import MigrationPolicy
 from router.pool import WorkerPool
 from router.validation import ValidRequest
 
@@ -49,7 +50,8 @@ class Frontend:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
-                         random.Random(uuid.uuid4().int), config.routing)
+                         random.Random(uuid.uuid4().int), config.routing,
+                         MigrationPolicy(limit=config.migration_limit))
         counters = self.flow.counters  # the dict the flow increments in place
         self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
