@@ -157,6 +157,9 @@ class DecodeKVSink:
     def _complete_locked(self, request_id: str, p: PendingKV) -> None:
         if not p.arrival.complete or (self._primary and p.done is None):
             return
+        if p.lease.expired:  # landed, but too late: the other parties gave up already
+            self._fail_locked(request_id, "KV lease expired as the transfer ended")
+            return
         del self._pending[request_id]
         (p.on_ready or self._on_ready)(request_id, p.done, p.lease)
 

@@ -79,7 +79,9 @@ class Placement:
     def pull_source(self, rid: str, d: WorkerHandle, blocks: PromptBlocks, num_tokens: int,
                     continuation: bool = False) -> worker_pb.KVSource | None:
         """Where D should pull the request's prefix from (policy.pick_pull_source), if any.
-        A continuation is computed on D whatever is left, so any longer prefix is worth it."""
+        A continuation is computed on D whatever is left, so any prefix is worth offering:
+        D pins what it really holds and pulls only beyond that (the index's idea of D may be
+        stale: the attempt that just failed there was recorded as placed)."""
         others = [w for w in (*self.decode.healthy(), *self.prefill.healthy())
                   if w.address != d.address and w.address in blocks.matches]
         holders = [policy.Holder(i, blocks.matches[w.address].blocks,
@@ -87,7 +89,8 @@ class Placement:
                                  w.info.tp_size if w.info is not None else 0)
                    for i, w in enumerate(others)]
         have_prefill = bool(self.prefill.healthy()) and not continuation
-        h = policy.pick_pull_source(holders, blocks.held_by(d), num_tokens, self.block_size(),
+        own = 0 if continuation else blocks.held_by(d)
+        h = policy.pick_pull_source(holders, own, num_tokens, self.block_size(),
                                     self.local_prefill_tokens, have_prefill)
         if h is None:
             return None

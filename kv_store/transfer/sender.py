@@ -183,14 +183,21 @@ class KVSender:
     def on_wire(self, pair: SenderPair, item: Outgoing) -> bool:
         if item.header.kind in (Kind.ABORT, Kind.CLOSE):
             return True
+        settle: list[_Settle] = []
         with self._lock:
             rec = self._requests.get(item.header.rid)
             if rec is None or rec.pair is not pair:
                 return False  # ended (aborted, expired) after it was queued
-            if rec.state is TransferState.PENDING:
-                check_transition(rec.state, TransferState.TRANSFERRING)
-                rec.state = TransferState.TRANSFERRING
-            return True
+            if time.monotonic() >= rec.lease_deadline:  # not a tick later: nothing past it
+                self._expire_one(rec, settle)
+                go = False
+            else:
+                go = True
+                if rec.state is TransferState.PENDING:
+                    check_transition(rec.state, TransferState.TRANSFERRING)
+                    rec.state = TransferState.TRANSFERRING
+        _run(settle)
+        return go
 
     def on_sent(self, pair: SenderPair, item: Outgoing, nbytes: int) -> None:
         self._stats.add_sent(nbytes)
@@ -357,12 +364,14 @@ class KVSender:
 
     def _expire(self, now: float, settle: list[_Settle]) -> None:
         for rec in list(self._requests.values()):
-            if now < rec.lease_deadline:
-                continue
-            reason = f"lease of {rec.lease_deadline - rec.created:.3g}s expired"
-            pair = rec.pair
-            self._end(rec, TransferState.FAILED, reason, settle)
-            self._tell_abort(rec.address, rec.request_id, reason, pair, settle)
+            if now >= rec.lease_deadline:
+                self._expire_one(rec, settle)
+
+    def _expire_one(self, rec: _Outbound, settle: list[_Settle]) -> None:
+        reason = f"lease of {rec.lease_deadline - rec.created:.3g}s expired"
+        pair = rec.pair
+        self._end(rec, TransferState.FAILED, reason, settle)
+        self._tell_abort(rec.address, rec.request_id, reason, pair, settle)
 
     def _close_idle(self, now: float) -> None:
         for key, pair in list(self._pairs.items()):

@@ -61,7 +61,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         stats = self.loop.stats  # never waits for a step: a long prefill is not a dead worker
         return worker_pb.WorkerStats(
             worker_id=self.options.worker_id, role=self.options.role,
-            num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"] + stats.get("num_waiting_for_kv", 0)),
             queued_prefill_tokens=int(stats["queued_prefill_tokens"]),
             kv_blocks_total=int(stats["kv_blocks_total"]),
             kv_blocks_used=int(stats["kv_blocks_used"]),
