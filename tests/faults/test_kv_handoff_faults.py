@@ -15,10 +15,17 @@ from kv_store.index.events import BlockStored, Tier, encode_batch
 from kv_store.index.redis_common import Keys, RedisIndexConfig
 from pdserve.block_hash import chain_hashes
 from pdserve.proto import worker_pb, worker_pb_grpc
+from pdserve.tokenizer import Tokenizer
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_stats
 from tests.helpers.engine import random_prompts
-from tests.helpers.faults import engine_outputs, migrations, mixed_jobs, run_jobs
+from tests.helpers.faults import (
+    engine_outputs,
+    migrations,
+    mixed_jobs,
+    run_http_jobs,
+    run_jobs,
+)
 from tests.helpers.redis_server import RedisServer, registered_workers, require_redis_server
 
 pytestmark = pytest.mark.timeout(300)
@@ -41,12 +48,18 @@ def test_a_lease_too_short_for_any_transfer_moves_every_request_on(tiny_llama, t
                             worker_args=("--kv-lease-s", "0.001"))
     try:
         jobs = mixed_jobs(random_prompts([100, 180, 260, 340], VOCAB, seed=321), 10)
-        expected = engine_outputs(tiny_llama, jobs)
+        http_jobs = mixed_jobs(random_prompts([120, 220], VOCAB, seed=322), 10)
+        expected = engine_outputs(tiny_llama, jobs + http_jobs)
         p, d = (cluster.workers(r)[0].info["address"] for r in ("prefill", "decode"))
         outcomes = asyncio.run(run_jobs(cluster.address, jobs, concurrency=2))
-        _assert_all_ok(outcomes, expected)
-        assert migrations(cluster, "decode_ended") == len(jobs)
-        assert _counter(p, "kv_pushes") == len(jobs) and _counter(d, "kv_pulled_blocks") > 0
+        _assert_all_ok(outcomes, expected[:len(jobs)])
+        # The OpenAI API shares the flow: its requests move on the same way.
+        texts = asyncio.run(run_http_jobs(cluster, http_jobs))
+        decode = Tokenizer.from_pretrained(tiny_llama).decode
+        assert texts == [(200, decode(e)) for e in expected[len(jobs):]]
+        moved = len(jobs) + len(http_jobs)
+        assert migrations(cluster, "decode_ended") == moved
+        assert _counter(p, "kv_pushes") == moved and _counter(d, "kv_pulled_blocks") > 0
         assert not any(wait_idle(cluster).values())
     finally:
         cluster.stop()

@@ -17,6 +17,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.tokenizer import Tokenizer
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import start_cluster, wait_idle
 from tests.helpers.engine import random_prompts
@@ -25,6 +26,7 @@ from tests.helpers.faults import (
     engine_outputs,
     migrations,
     mixed_jobs,
+    run_http_jobs,
     run_jobs,
     wait_busy,
 )
@@ -40,9 +42,10 @@ def cluster(tiny_llama, tmp_path_factory):
     c.stop()
 
 
-def _kill_under_load(cluster, jobs, victim, at_least=1) -> tuple[list, int]:
-    """Run `jobs`; SIGKILL `victim` once it holds `at_least` requests. Returns the outcomes
-    and how many requests it held just before."""
+def _kill_under_load(cluster, jobs, victim, at_least=1, http_jobs=()) -> tuple[list, int]:
+    """Run `jobs` over gRPC (and `http_jobs` over the OpenAI API at the same time); SIGKILL
+    `victim` once it holds `at_least` requests. Returns the outcomes (gRPC's, then HTTP's
+    (status, text) pairs) and how many requests it held just before."""
     held, errors = [], []
 
     def kill():
@@ -55,7 +58,13 @@ def _kill_under_load(cluster, jobs, victim, at_least=1) -> tuple[list, int]:
     side = threading.Thread(target=kill)
     side.start()
     t0 = time.monotonic()
-    outcomes = asyncio.run(run_jobs(cluster.address, jobs, concurrency=8))
+
+    async def both():
+        grpc_side = run_jobs(cluster.address, jobs, concurrency=8)
+        got = await asyncio.gather(grpc_side, run_http_jobs(cluster, list(http_jobs)))
+        return got[0] + got[1]
+
+    outcomes = asyncio.run(both())
     side.join(60)
     assert not errors, errors
     assert time.monotonic() - t0 < 120  # nothing hung until a deadline
@@ -67,13 +76,16 @@ def _assert_all_ok(outcomes, expected):
     assert [o.tokens for o in outcomes] == expected
 
 
-def test_a_killed_decode_worker_loses_no_request(cluster, tiny_llama):
+def test_a_killed_decode_worker_loses_no_request_on_grpc_or_http(cluster, tiny_llama):
     jobs = mixed_jobs(random_prompts([40, 90, 150, 220] * 4, VOCAB, seed=311), 40)
-    expected = engine_outputs(tiny_llama, jobs)
+    http_jobs = mixed_jobs(random_prompts([70, 130] * 2, VOCAB, seed=314), 40)
+    expected = engine_outputs(tiny_llama, jobs + http_jobs)
     before = migrations(cluster, "decode_lost")
     victim = cluster.workers("decode")[-1]
-    outcomes, held = _kill_under_load(cluster, jobs, victim, at_least=2)
-    _assert_all_ok(outcomes, expected)
+    outcomes, held = _kill_under_load(cluster, jobs, victim, at_least=2, http_jobs=http_jobs)
+    _assert_all_ok(outcomes[:len(jobs)], expected[:len(jobs)])
+    decode = Tokenizer.from_pretrained(tiny_llama).decode
+    assert outcomes[len(jobs):] == [(200, decode(e)) for e in expected[len(jobs):]]
     assert held >= 2 and migrations(cluster, "decode_lost") - before >= 1
     assert not any(wait_idle(cluster).values())
 

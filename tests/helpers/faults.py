@@ -82,6 +82,31 @@ async def run_jobs(address: str, jobs: list[Job], concurrency: int = 8, timeout_
     return outcomes
 
 
+async def run_http_jobs(cluster: LocalCluster, jobs: list[Job], timeout_s: float = 120
+                        ) -> list[tuple[int, str]]:
+    """Each job as one streaming OpenAI `/v1/completions` call (the official client, no
+    retries): (HTTP status, text) per job."""
+    import openai
+
+    async with openai.AsyncOpenAI(base_url=f"http://{cluster.http_address}/v1",
+                                  api_key="none", max_retries=0, timeout=timeout_s) as api:
+        model = (await api.models.list()).data[0].id
+
+        async def one(job: Job) -> tuple[int, str]:
+            p = job.params
+            extra = {"ignore_eos": True, "repetition_penalty": p.repetition_penalty}
+            try:
+                stream = await api.completions.create(
+                    model=model, prompt=list(job.prompt), max_tokens=job.max_tokens,
+                    temperature=p.temperature, top_p=p.top_p, seed=p.seed, stream=True,
+                    extra_body=extra)
+                return 200, "".join([c.choices[0].text async for c in stream if c.choices])
+            except openai.APIStatusError as exc:
+                return exc.status_code, str(exc)
+
+        return list(await asyncio.gather(*(one(j) for j in jobs)))
+
+
 def engine_outputs(model: Path, jobs: list[Job]) -> list[list[int]]:
     """What the single-process engine generates for each job: what a cluster must return."""
     llm = LLM(str(model), dtype="float32")
