@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 class DecodeService(WorkerServicerBase):
     def __init__(self, options: WorkerOptions, loop: EngineLoop, recorder=None) -> None:
         super().__init__(options, loop, recorder)
-        self.sink = DecodeKVSink(loop.engine.runner.caches, self._kv_ready, self._kv_failed)
+        self.sink = DecodeKVSink(loop.engine.kv_caches, self._kv_ready, self._kv_failed)
         self._failed: dict[str, str] = {}
         driver = loop.engine.tp_driver
         self.tp_size = loop.engine.tp.size

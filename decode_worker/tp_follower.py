@@ -65,7 +65,7 @@ class DecodeFollower(FollowerPlugin):
         store = group.store
         heads = heads_of(engine.model_config.num_kv_heads, ctx.rank, ctx.size)
         self.sink = DecodeKVSink(
-            engine.runner.caches,
+            engine.kv_caches,
             on_ready=lambda rid, done, lease: store.set(ready_key(rid, self.rank), "ok"),
             on_error=lambda rid, why: store.set(ready_key(rid, self.rank), f"fail: {why}"),
             head_start=heads.start, primary=False)

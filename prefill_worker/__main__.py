@@ -35,7 +35,7 @@ async def serve(options: WorkerOptions) -> None:
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
     sender = KVSender(options.lease.transfer_config())
-    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
+    streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer, recorder)

@@ -41,7 +41,7 @@ class PrefillService(WorkerServicerBase):
 
     def step(self, engine: LLMEngine) -> list[StepOutput]:
         """One engine step with per-layer KV streaming (runs on the engine thread)."""
-        plan = engine.scheduler.schedule()
+        plan = engine.plan()
         if plan.is_empty:
             return []
         sends = self.streamer.plan_sends(plan)

@@ -14,7 +14,7 @@ class PrefillFollower(FollowerPlugin):
         # Every lease comes from rank 0's sends; the default config only caps them.
         self.sender = KVSender(LeaseConfig().transfer_config())
         ctx = group.context
-        self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
+        self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)
 
     def before_step(self, extra: dict):

@@ -151,6 +151,12 @@ class LLMEngine:
         return request_id in self.scheduler.requests
 
     @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The paged KV cache, one tensor per layer (`[blocks, 2, kv heads, block size, d]`):
+        what a transfer writes into reserved blocks and reads out of pinned ones."""
+        return self.runner.caches
+
+    @property
     def hash_extra(self) -> bytes:
         """The block hash's `extra` (model, KV layout, block size): equal on two engines
         exactly when their KV blocks are interchangeable."""
@@ -236,6 +242,16 @@ class LLMEngine:
         return self.scheduler.has_work
 
     # -- one step ------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        """The next step's plan (for a caller that runs `execute` and `apply_results` itself,
+        e.g. with a layer hook built from the plan)."""
+        return self.scheduler.schedule()
+
+    @property
+    def stalled_on_io(self) -> bool:
+        """The last plan was empty only because waiting requests wait for their SSD reads."""
+        return self.scheduler.stalled_on_io
+
     def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty:

@@ -96,7 +96,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
-                stalled = not idle and self.engine.scheduler.stalled_on_io
+                stalled = not idle and self.engine.stalled_on_io
                 # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
                 self._drain_commands(block=(idle and not worked) or stalled,
                                      timeout_s=IO_STALL_WAIT_S if stalled else 0.5)

@@ -102,7 +102,7 @@ def copy_blocks(engine: LLMEngine, plan: PushPlan) -> tuple[int, list[list[torch
     try:
         if not blocks:
             return 0, []
-        caches = engine.runner.caches
+        caches = engine.kv_caches
         src = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
         layers = [cache.index_select(0, src) for cache in caches]  # copies: blocks may move
         return len(blocks), [[layer[:, :, r.lo:r.hi].contiguous() for layer in layers]
