@@ -34,7 +34,9 @@ async def serve(options: WorkerOptions) -> None:
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
-    transfer = options.lease.transfer_config()
+    # Signed pairs only; our own KV pushes listen on --host too; leases capped by ours.
+    transfer = options.lease.transfer_config(host=options.host,
+                                             auth_key=options.security.kv_key())
     receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
     receiver.start()
     service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes

@@ -36,6 +36,7 @@ from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.kv_lease import Lease
 from pdserve.serving.kv_messages import PullDone
+from pdserve.serving.security import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ class KVPuller:
     def __init__(self, loop: EngineLoop, sink: DecodeKVSink,
                  endpoints: Callable[[], list[worker_pb.KVEndpoint]],
                  count: Callable[[str, float], None], pull_lease_s: float,
-                 follower_store=None, tp_size: int = 1) -> None:
+                 follower_store=None, tp_size: int = 1,
+                 security: ClientSecurity | None = None) -> None:
         self._loop = loop
         self._sink = sink
         self._endpoints = endpoints  # this worker's KV receivers, one per TP rank
@@ -53,6 +55,7 @@ class KVPuller:
         self._store = follower_store  # the TP group's store (None without followers)
         self._tp_size = tp_size
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._security = security or ClientSecurity()  # how to call the pushing worker
 
     async def add_pulled(self, rid: str, prompt: Sequence[int], params: SamplingParams,
                          seed: int, generated: Sequence[int], source: worker_pb.KVSource,
@@ -161,7 +164,7 @@ class KVPuller:
     def _stub(self, address: str) -> worker_pb_grpc.WorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._security.aio_channel(address)
         return worker_pb_grpc.WorkerStub(channel)
 
 

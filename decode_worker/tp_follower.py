@@ -17,6 +17,7 @@ from kv_store.transfer import KVReceiver
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import Lease, LeaseConfig
 from pdserve.serving.kv_messages import PrefillDone, PullDone
+from pdserve.serving.security.config import kv_auth_key
 
 
 def ready_key(request_id: str, rank: int) -> str:
@@ -70,8 +71,10 @@ class DecodeFollower(FollowerPlugin):
             on_error=lambda rid, why: store.set(ready_key(rid, self.rank), f"fail: {why}"),
             head_start=heads.start, primary=False)
         # Follower ranks are started by rank 0 with its engine options only: they take the
-        # default cap on leases; every lease they enforce comes from rank 0's messages.
-        self.receiver = KVReceiver(host, 0, self.sink, LeaseConfig().transfer_config())
+        # default cap on leases; every lease they enforce comes from rank 0's messages. The
+        # KV key comes from the environment rank 0 passed down (signed pairs only).
+        config = LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key())
+        self.receiver = KVReceiver(host, 0, self.sink, config)
         self.receiver.start()
         store.set(endpoint_key(self.rank), self.receiver.address)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kv_store.transfer import KVSender
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import LeaseConfig
+from pdserve.serving.security.config import kv_auth_key
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
 
@@ -12,7 +13,7 @@ class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
         # Every lease comes from rank 0's sends; the default config only caps them.
-        self.sender = KVSender(LeaseConfig().transfer_config())
+        self.sender = KVSender(LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key()))
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)

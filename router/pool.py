@@ -41,6 +41,7 @@ from kv_store.index.events import BlockRemoved, BlockStored, EventCodecError, de
 from kv_store.index.prefix import PrefixIndex
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.grpc_server import MAX_MESSAGE_BYTES
+from pdserve.serving.security import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class WorkerHandle:
     # Set when the worker leaves its pool. Replaced when the worker comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
     needs_snapshot: bool = True  # resync its KV index entries on the next poll
+    refuses_credentials: bool = False  # its last poll got UNAUTHENTICATED (logged once)
     _watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def set_healthy(self, healthy: bool) -> None:
@@ -88,8 +90,10 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
                  heartbeat_timeout_s: float, prefix: PrefixIndex | None = None,
-                 events_from_stats: bool = True, linger_s: float | None = None) -> None:
+                 events_from_stats: bool = True, linger_s: float | None = None,
+                 security: ClientSecurity | None = None) -> None:
         self.role = role
+        self.security = security or ClientSecurity()  # TLS and cluster secret to workers
         self.workers: list[WorkerHandle] = []  # members; only their healthy ones are routable
         self.period_s = period_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -121,7 +125,7 @@ class WorkerPool:
         if retired is not None:
             w = retired[0]
         else:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self.security.aio_channel(address, _CHANNEL_OPTIONS)
             w = WorkerHandle(address, self.role, channel, worker_pb_grpc.WorkerStub(channel))
         self.workers.append(w)
         self._wake.set()
@@ -230,10 +234,16 @@ class WorkerPool:
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=timeout)
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
             stats = await w.stub.GetStats(request, timeout=timeout)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED and not w.refuses_credentials:
+                w.refuses_credentials = True  # said once per streak, not every poll
+                log.warning("%s worker %s refuses the router's credentials (%s): is it in "
+                            "another cluster (cluster secret, CA)?", self.role, w.address,
+                            exc.details())
             return  # `_expire` takes it out once its last answer is too old
         w.stats = stats
         w.last_ok = time.monotonic()
+        w.refuses_credentials = False
         if take:
             self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:

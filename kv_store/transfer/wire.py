@@ -22,15 +22,22 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 3
+VERSION = 4
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
 #   2 — layer headers carry `head_start`: the global index of the payload's first KV head, so
 #       a slice of heads can travel between groups of different tensor-parallel degrees.
-#   3 — DONE carries opaque `body` bytes (a typed message of the layer above) instead of a
-#       msgpack map; layer and DONE headers carry `lease_s`, what is left of the transfer's
-#       lease, so the receiver gives up on a request when its sender does.
+#   3 — taken by two branches at once, each without the other's change, so no 3 speaks to
+#       the other 3:
+#       (security) authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`;
+#       on a pair opened that way every header is preceded by a 32-byte HMAC over (sequence,
+#       header).
+#       (lifecycle) DONE carries opaque `body` bytes (a typed message of the layer above)
+#       instead of a msgpack map; layer and DONE headers carry `lease_s`, what is left of the
+#       transfer's lease, so the receiver gives up on a request when its sender does.
+#   4 — both version-3 changes together: sealed headers (on authenticated pairs) whose LAYER
+#       and DONE carry `lease_s`, DONE an opaque `body`.
 
 MAX_BODY_BYTES = 64 << 10
 """Largest DONE body: it names a token or a count, never bulk data."""

@@ -42,9 +42,11 @@ class LeaseConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
-    def transfer_config(self) -> TransferConfig:
-        """The transfer engine's config, whose cap on any lease is the longest of these."""
-        return TransferConfig(lease_s=max(self.kv_lease_s, self.pull_lease_s))
+    def transfer_config(self, host: str = "", auth_key: bytes | None = None) -> TransferConfig:
+        """The transfer engine's config, whose cap on any lease is the longest of these;
+        `host` and `auth_key` as in `TransferConfig` (the worker's bind address, its KV key)."""
+        return TransferConfig(lease_s=max(self.kv_lease_s, self.pull_lease_s), host=host,
+                              auth_key=auth_key)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,13 @@ from pdserve.block_hash import chain_hashes
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.tokenizer import Tokenizer
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import (
+    eventually,
+    start_cluster,
+    wait_idle,
+    worker_channel,
+    worker_stats,
+)
 from tests.helpers.engine import random_prompts
 from tests.helpers.faults import (
     engine_outputs,
@@ -88,7 +94,7 @@ def _claim(server: RedisServer, worker: str, hashes: list[bytes]) -> None:
 def test_a_stale_index_entry_costs_a_failed_pull_not_a_request(redis_cluster, tiny_llama):
     cluster, server = redis_cluster
     p, d = (cluster.workers(r)[0].info["address"] for r in ("prefill", "decode"))
-    with grpc.insecure_channel(d) as ch:
+    with worker_channel(d) as ch:
         info = worker_pb_grpc.WorkerStub(ch).GetInfo(worker_pb.InfoRequest(), timeout=10)
     for attempt in range(5):  # until the router has read the claim (it reads in milliseconds)
         jobs = mixed_jobs(random_prompts([200], VOCAB, seed=330 + attempt), 6)

@@ -25,7 +25,13 @@ from pdserve.engine import SamplingParams
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.convert import params_to_pb
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, start_cluster, wait_idle
+from tests.helpers.cluster import (
+    cluster_transfer,
+    eventually,
+    start_cluster,
+    wait_idle,
+    worker_channel,
+)
 from tests.helpers.engine import random_prompts
 from tests.helpers.faults import (
     FAST_HEARTBEAT,
@@ -180,7 +186,7 @@ def test_cancel_during_decode_frees_every_block(cluster):
 def _open_decode(address, rid, prompt):
     """Open a remote-prefill Decode on a decode worker as the router does: (channel, call,
     ready)."""
-    channel = grpc.insecure_channel(address)
+    channel = worker_channel(address)
     call = worker_pb_grpc.WorkerStub(channel).Decode(worker_pb.DecodeRequest(
         request_id=rid, prompt_token_ids=prompt, seed=0,
         sampling=params_to_pb(SamplingParams(max_tokens=8)),
@@ -199,7 +205,7 @@ def test_a_transfer_whose_sender_stalls_ends_with_its_lease_and_leaks_nothing(cl
     d = _addresses(cluster, "decode")[1]
     prompt = random_prompts([150], VOCAB, seed=305)[0]
     channel, call, ready = _open_decode(d, "stall-1", prompt)
-    with KVSender() as sender:
+    with KVSender(cluster_transfer()) as sender:
         try:
             _send_layer(sender, ready, "stall-1", 0)  # layer 1 and the DONE never come
             assert held_requests(d) >= 1  # it waits for the rest of its KV
@@ -220,7 +226,7 @@ def test_cancel_during_the_transfer_frees_the_reservation_before_late_kv(cluster
     d = _addresses(cluster, "decode")[0]
     prompt = random_prompts([150], VOCAB, seed=306)[0]
     channel, call, ready = _open_decode(d, "cut-1", prompt)
-    with KVSender() as sender:
+    with KVSender(cluster_transfer()) as sender:
         try:
             _send_layer(sender, ready, "cut-1", 0)
             assert held_requests(d) >= 1
