@@ -88,6 +88,18 @@ def test_forged_and_replayed_hellos_in_the_store_open_nothing(agent, receiver):
     assert receiver.sink.kinds("real") == ["layer", "layer", "done"]
 
 
+def test_queue_entries_without_a_hello_stall_no_real_offer(agent, receiver):
+    store = _store(receiver)
+    store.queue_push("pairs/hello", "not-a-pair-id")
+    for _ in range(3):  # ids nobody wrote a hello for: each used to hold the accept loop
+        store.queue_push("pairs/hello", str(store.add("pairs/next", 1)))  # for its timeout
+    out = agent.call("send", address=receiver.address, rid="behind", layers=1, n=1,
+                     dtype="float32", config={**FAST, "connect_timeout_s": 3.0,
+                                              "auth_key": KEY})
+    assert out["state"] == "done", out
+    receiver.sink.wait_for("done", "behind")
+
+
 def test_frames_verify_only_under_their_key_and_in_sequence():
     keys = PairKeys.derive(KEY, 1, b"s" * 16, b"r" * 16)
     sender, receiver = FrameAuth.for_end(keys, True), FrameAuth.for_end(keys, False)
