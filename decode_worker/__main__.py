@@ -37,8 +37,11 @@ async def serve(options: WorkerOptions) -> None:
     # Signed pairs only; our own KV pushes listen on --host too; leases capped by ours.
     transfer = options.lease.transfer_config(host=options.host,
                                              auth_key=options.security.kv_key())
-    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
+    # Frames must carry the tag of the ticket their request was reserved with (`kv_sink`).
+    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer,
+                          tickets=service.sink.ticket)
     receiver.start()
+    service.kv_receiver = receiver
     service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes
     size = engine.tp.size
     service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),

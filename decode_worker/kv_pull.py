@@ -6,8 +6,10 @@ here, or a migrated request (its prompt on X, its earlier output computed here).
 joins the engine at once, through the engine's pull API:
 
     engine thread: reserve_pull ─► PULLING (own prefix pinned, fresh blocks for [c, m)),
-                   the sink expects them on every TP rank, under the pull's lease
-    X.PushKV(tokens, [c, m), our receivers + fresh blocks) ─► X sends k blocks, PullDone{k}
+                   the sink expects them on every TP rank, under the pull's lease and a
+                   fresh ticket
+    X.PushKV(tokens, [c, m), our receivers + fresh blocks, ticket) ─► X sends k blocks
+                   (every frame tagged under the ticket), PullDone{k}
     wait for the sink, within the lease                                   (TRANSFERRING)
     engine thread: stop the sink, settle_pull(k) ─► the k blocks are published, the rest
                    freed, the request WAITING: its prefill starts after them     (SETTLED)
@@ -29,6 +31,7 @@ import grpc
 
 from decode_worker.kv_sink import DecodeKVSink, Ending
 from decode_worker.tp_follower import KVCancel, KVExpect, ready_key
+from kv_store.transfer import new_ticket
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.remote_kv import PullReservation
 from pdserve.engine.sampling_params import SamplingParams
@@ -74,14 +77,15 @@ class KVPuller:
             aloop.call_soon_threadsafe(_resolve, landed, None)
 
         blocks = int(source.blocks) if source.address and lease.left() > 0 else 0
+        ticket = new_ticket()
         res = await self._loop.call(lambda e: self._reserve(
-            e, rid, prompt, params, seed, generated, blocks, lease, ready, failed))
+            e, rid, prompt, params, seed, generated, blocks, lease, ticket, ready, failed))
         if res is None:
             return  # nothing to pull (we hold as much, no free block): queued as it is
         self._count("kv_pulls", 1.0)
         k = 0
         try:
-            k = await self._transfer(res, source.address, lease, landed)
+            k = await self._transfer(res, source.address, lease, ticket, landed)
         except Exception:  # a pull is an optimisation: never let it fail the request
             log.exception("pulling KV of %s from %s failed", rid, source.address)
         finally:  # also when cancelled: in command order, before anything reuses the blocks
@@ -97,29 +101,31 @@ class KVPuller:
 
     # -- steps ---------------------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, rid, prompt, params, seed, generated,
-                 source_blocks: int, lease: Lease, ready, failed) -> PullReservation | None:
+                 source_blocks: int, lease: Lease, ticket: bytes, ready, failed
+                 ) -> PullReservation | None:
         """Engine thread: add the request, reserving the blocks to pull into, and expect
-        them on every rank (before any can arrive)."""
+        them under `ticket` on every rank (before any can arrive)."""
         res = engine.reserve_pull(rid, prompt, params, seed, source_blocks, generated)
         if res is None:
             return None
-        self._sink.expect(rid, res.block_ids, 0, lease, PullDone, on_ready=ready,
+        self._sink.expect(rid, res.block_ids, 0, lease, ticket, PullDone, on_ready=ready,
                           on_error=failed)
         if engine.tp_driver is not None:
-            engine.tp_driver.call(KVExpect(rid, res.block_ids, 0, lease.left(),
+            engine.tp_driver.call(KVExpect(rid, res.block_ids, 0, lease.left(), ticket,
                                            pull=True).to_wire())
         return res
 
     async def _transfer(self, res: PullReservation, address: str, lease: Lease,
-                        landed: asyncio.Future[Ending | None]) -> int:
-        """PushKV to the source, then wait for the blocks it sent to land: how many did."""
+                        ticket: bytes, landed: asyncio.Future[Ending | None]) -> int:
+        """PushKV to the source (handing it the ticket, over the authenticated call), then
+        wait for the blocks it sent to land: how many did."""
         t0 = time.monotonic()
         try:
             resp = await self._stub(address).PushKV(worker_pb.PushKVRequest(
                 request_id=res.request_id, prompt_token_ids=res.token_ids,
                 start_block=res.start_block, end_block=res.end_block,
                 endpoints=self._endpoints(), block_ids=res.block_ids,
-                hash_extra=self._loop.engine.hash_extra),
+                hash_extra=self._loop.engine.hash_extra, kv_ticket=ticket),
                 timeout=max(lease.left(), 0.001))
             if not resp.blocks_sent:
                 return 0

@@ -16,6 +16,11 @@ hand-off has arrived: `PrefillDone` (the first token) for a remote prefill, `Pul
 many leading blocks were sent; parts of the others are no longer expected) for a pull.
 `PartsDone` from the other pairs only ends their share.
 
+Each expectation holds the transfer's ticket, made by this worker when it reserved the blocks
+and handed out over the authenticated RPC only; the receiver asks `ticket()` for it and lets
+through only frames tagged under it (`kv_store.transfer.auth`). Once an expectation ends, its
+request has no ticket: nothing more is accepted for it.
+
 A lock orders writes against cancellation: `cancel()` takes it before the engine frees a
 request's blocks, so a block can never be written after it was handed to another request.
 """
@@ -45,6 +50,7 @@ ErrorFn = Callable[[str, str], None]
 class PendingKV:
     arrival: KVArrival
     lease: Lease
+    ticket: bytes  # what this hand-off's frames are tagged under
     ending: type[Ending]  # the DONE that ends this hand-off: PrefillDone or PullDone
     done: Ending | None = None  # that DONE, once it arrived
     on_ready: ReadyFn | None = None  # this expectation's own callbacks (None: the sink's)
@@ -65,15 +71,25 @@ class DecodeKVSink:
         self.bytes_received = 0
 
     def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], skip: int,
-               lease: Lease, ending: type[Ending] = PrefillDone,
+               lease: Lease, ticket: bytes, ending: type[Ending] = PrefillDone,
                on_ready: ReadyFn | None = None, on_error: ErrorFn | None = None) -> None:
-        """Accept KV for blocks `block_ids[skip:]` until `lease` ends, the hand-off ending
-        with an `ending` DONE; `on_ready` / `on_error` replace the sink's callbacks for this
-        request only (called under the sink's lock: they must only hand the news on)."""
+        """Accept KV for blocks `block_ids[skip:]` until `lease` ends, in frames tagged under
+        `ticket` (`kv_store.transfer.new_ticket`), the hand-off ending with an `ending` DONE;
+        `on_ready` / `on_error` replace the sink's callbacks for this request only (called
+        under the sink's lock: they must only hand the news on)."""
+        if not isinstance(ticket, bytes) or not ticket:
+            raise ValueError("a KV expectation needs its transfer's ticket")
         arrival = KVArrival(block_ids, skip, len(self._caches), self._heads)
         with self._lock:
-            self._pending[request_id] = PendingKV(arrival, lease, ending, on_ready=on_ready,
-                                                  on_error=on_error)
+            self._pending[request_id] = PendingKV(arrival, lease, ticket, ending,
+                                                  on_ready=on_ready, on_error=on_error)
+
+    def ticket(self, request_id: str) -> bytes | None:
+        """The ticket that frames for `request_id` (a wire id) must carry; None when no KV
+        is expected for it (the receiver's ticket book)."""
+        with self._lock:
+            p = self._pending.get(base_request_id(request_id))
+            return p.ticket if p is not None else None
 
     def cancel(self, request_id: str) -> bool:
         """Stop accepting KV for a request (before its blocks are released)."""

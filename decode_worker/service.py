@@ -3,8 +3,8 @@
 A disaggregated request's life on this worker (all of it through the engine's remote-KV API,
 `pdserve.engine.remote_kv`):
 
-    Decode() ─► reserve_remote (prefix hit counted) ─► `ready` {cached_blocks, block_ids,
-       endpoints, kv_lease_s}
+    Decode() ─► reserve_remote (prefix hit counted), a fresh ticket ─► `ready`
+       {cached_blocks, block_ids, endpoints, kv_lease_s, kv_ticket}
        WAITING_FOR_KV ── every part landed + PrefillDone{first token} ──► activate_remote
                      │      ──► RUNNING ──► tokens ... ──► finished
                      └── transfer failed / lease ran out ──► fail_remote ──► ABORTED
@@ -13,6 +13,10 @@ A disaggregated request's life on this worker (all of it through the engine's re
 With `local_prefill` the request skips the transfer and is prefilled here; with `kv_source`
 too, it first pulls the prefix from the worker that holds it (`kv_pull`). A migrated request
 brings `generated_token_ids` (what the client already has) and continues after them.
+
+The ticket binds the transfer to this hand-off: only frames tagged under it land in the
+reserved blocks (`kv_store.transfer.auth`), and it leaves this worker only in `ready`, on the
+authenticated Decode stream (the router hands it to the prefill worker in `Prefill`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import grpc
 from decode_worker.kv_pull import KVPuller
 from decode_worker.kv_sink import DecodeKVSink, Ending
 from decode_worker.tp_follower import KVCancel, KVExpect, endpoint_key, ready_key
+from kv_store.transfer import new_ticket
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.outputs import StepOutput
@@ -54,6 +59,16 @@ class DecodeService(WorkerServicerBase):
         self.puller = KVPuller(loop, self.sink, lambda: self.endpoints, self.count,
                                options.lease.pull_lease_s, self.follower_store, self.tp_size,
                                options.security.client)
+        self.kv_receiver = None  # rank 0's KVReceiver, set by the entry point
+
+    def transfer_counters(self) -> dict[str, float]:
+        """What rank 0's receiver refused: pair offers (bad signature, foreign version, no
+        room) and frames not tagged under their transfer's ticket."""
+        if self.kv_receiver is None:
+            return {}
+        s = self.kv_receiver.stats()
+        return {"kv_pairs_refused": float(s["pairs_refused"]),
+                "kv_frames_refused": float(s["frames_refused"])}
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
         """The KV receivers of follower ranks (they publish them in the group's store)."""
@@ -131,8 +146,9 @@ class DecodeService(WorkerServicerBase):
                 self.count("local_prefills")
                 return worker_pb.DecodeReady(), over
             lease = Lease.start(self.options.lease.kv_lease_s, request.deadline_unix_s)
+            ticket = new_ticket()
             res = await self.loop.call(
-                lambda e: self._reserve(e, rid, ids, params, request.seed, lease))
+                lambda e: self._reserve(e, rid, ids, params, request.seed, lease, ticket))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoKVCapacity as exc:
@@ -142,7 +158,8 @@ class DecodeService(WorkerServicerBase):
         self.count("remote_prefills")
         self.count("prefix_hit_blocks", res.cached_blocks)
         return worker_pb.DecodeReady(cached_blocks=res.cached_blocks, block_ids=res.block_ids,
-                                     endpoints=self.endpoints, kv_lease_s=lease.left()), None
+                                     endpoints=self.endpoints, kv_lease_s=lease.left(),
+                                     kv_ticket=ticket), None
 
     async def _add_local(self, request, rid, ids, params, generated) -> FinishReason | None:
         """Add a request prefilled here, after pulling its prefix when the router says
@@ -162,14 +179,15 @@ class DecodeService(WorkerServicerBase):
                                                          generated))
         return None
 
-    def _reserve(self, engine: LLMEngine, rid, ids, params, seed, lease: Lease):
-        """Engine thread: hold the prompt's blocks and expect their KV on every rank, before
-        the router (and so the prefill worker) learns where to send it."""
+    def _reserve(self, engine: LLMEngine, rid, ids, params, seed, lease: Lease,
+                 ticket: bytes):
+        """Engine thread: hold the prompt's blocks and expect their KV, under `ticket`, on
+        every rank, before the router (and so the prefill worker) learns where to send it."""
         res = engine.reserve_remote(rid, ids, params, seed)
-        self.sink.expect(rid, res.block_ids, res.cached_blocks, lease)
+        self.sink.expect(rid, res.block_ids, res.cached_blocks, lease, ticket)
         if engine.tp_driver is not None:
             engine.tp_driver.call(KVExpect(rid, res.block_ids, res.cached_blocks,
-                                           lease.left()).to_wire())
+                                           lease.left(), ticket).to_wire())
         return res
 
     async def _abort(self, rid: str) -> bool:

@@ -9,7 +9,7 @@ them, within the hand-off's lease, before the request runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from decode_worker.kv_sink import DecodeKVSink
 from kv_store.tp_layout import heads_of
@@ -30,22 +30,28 @@ def endpoint_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class KVExpect:
-    """Rank 0 → followers: accept KV for `blocks[skip:]` of a request, for `lease_s`."""
+    """Rank 0 → followers: accept KV for `blocks[skip:]` of a request, for `lease_s`, in
+    frames tagged under `ticket` (the one rank 0 handed out for this transfer)."""
 
     rid: str
     blocks: tuple[int, ...]
     skip: int
     lease_s: float
+    ticket: bytes = field(repr=False)
     pull: bool = False
 
     def to_wire(self) -> dict:
         return {"op": "expect", "rid": self.rid, "blocks": list(self.blocks),
-                "skip": self.skip, "lease_s": self.lease_s, "pull": self.pull}
+                "skip": self.skip, "lease_s": self.lease_s, "ticket": self.ticket,
+                "pull": self.pull}
 
     @classmethod
     def from_wire(cls, msg: dict) -> KVExpect:
+        ticket = msg["ticket"]
+        if not isinstance(ticket, bytes):
+            raise ValueError("KVExpect.ticket must be bytes")
         return cls(str(msg["rid"]), tuple(int(b) for b in msg["blocks"]), int(msg["skip"]),
-                   float(msg["lease_s"]), bool(msg["pull"]))
+                   float(msg["lease_s"]), ticket, bool(msg["pull"]))
 
 
 @dataclass(frozen=True)
@@ -74,14 +80,14 @@ class DecodeFollower(FollowerPlugin):
         # default cap on leases; every lease they enforce comes from rank 0's messages. The
         # KV key comes from the environment rank 0 passed down (signed pairs only).
         config = LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key())
-        self.receiver = KVReceiver(host, 0, self.sink, config)
+        self.receiver = KVReceiver(host, 0, self.sink, config, tickets=self.sink.ticket)
         self.receiver.start()
         store.set(endpoint_key(self.rank), self.receiver.address)
 
     def on_message(self, msg: dict) -> None:
         if msg["op"] == "expect":
             e = KVExpect.from_wire(msg)
-            self.sink.expect(e.rid, e.blocks, e.skip, Lease.start(e.lease_s),
+            self.sink.expect(e.rid, e.blocks, e.skip, Lease.start(e.lease_s), e.ticket,
                              PullDone if e.pull else PrefillDone)
         elif msg["op"] == "cancel":
             self.sink.cancel(msg["rid"])

@@ -6,7 +6,8 @@
 
 The response does not wait for the transfer to finish: the router streams the first token to
 the client at once (TTFT), while the decode worker waits for the KV. The transfer runs on the
-decode worker's lease (`KVTarget.lease_s`).
+decode worker's lease (`KVTarget.lease_s`), and every frame is tagged under its ticket
+(`KVTarget.kv_ticket`): without the ticket the decode worker accepts none of it.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 
 import grpc
 
+from kv_store.transfer.auth import TICKET_BYTES
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.proto import worker_pb
@@ -91,6 +93,10 @@ class PrefillService(WorkerServicerBase):
                 request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "target must name a KV endpoint and a block per prompt block")
+        if len(target.kv_ticket) != TICKET_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"target.kv_ticket must be the decode worker's "
+                                f"{TICKET_BYTES}-byte ticket (DecodeReady.kv_ticket)")
         ids = list(request.prompt_token_ids)
         lease = Lease.start(target.lease_s or self.options.lease.kv_lease_s)
         stream = self.loop.open_stream(rid)
@@ -102,7 +108,7 @@ class PrefillService(WorkerServicerBase):
                 endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
                              for e in target.endpoints]
                 self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks,
-                                  lease)
+                                  lease, bytes(target.kv_ticket))
             try:
                 await self.loop.call(admit)
             except ValueError as exc:

@@ -25,7 +25,7 @@ class PrefillFollower(FollowerPlugin):
     def after_step(self, extra: dict) -> None:
         for s in self._sends:
             if s.last:  # the prompt is complete: close this rank's pairs for the request
-                self.streamer.finish(s.request_id, None, s.lease_s)
+                self.streamer.finish(s.request_id, None, s.lease_s, s.ticket)
                 self.streamer.sent_bytes.pop(s.request_id, None)
 
     def close(self) -> None:

@@ -2,11 +2,11 @@
 
 One attempt (`_attempt`; its workers come from `router.placement`):
 
-    pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints, kv_lease_s}
+    pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints, kv_lease_s, kv_ticket}
         ├─ short uncached prompt: D prefills itself (local_prefill), tokens follow
         ├─ another worker X holds a longer prefix and the rest is short: local_prefill with
         │  kv_source = X; D pulls the prefix from X (PushKV), then prefills the rest
-        └─ else pick P ─► Prefill(P, target = D's blocks, lease) ─► first token (at once)
+        └─ else pick P ─► Prefill(P, target = D's blocks, lease, ticket) ─► first token
                           P streams KV to D; D decodes ─► tokens ... ─► finished
 
 The request (`run`), with migration (`router.migration`):
@@ -252,7 +252,8 @@ class Flow:
         self.place.expect_blocks(p, blocks.hashes)
         lease_s = ready.kv_lease_s - (time.perf_counter() - timings.decode_ready)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
-                                    skip_blocks=ready.cached_blocks, lease_s=max(lease_s, 1e-3))
+                                    skip_blocks=ready.cached_blocks, lease_s=max(lease_s, 1e-3),
+                                    kv_ticket=ready.kv_ticket)
         call = p.stub.Prefill(worker_pb.PrefillRequest(
             request_id=a.rid, prompt_token_ids=req.prompt_token_ids,
             sampling=params_to_pb(req.params), seed=a.seed, target=target,

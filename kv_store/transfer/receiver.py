@@ -8,6 +8,17 @@ its terminal call (`on_done` or `on_failed`, exactly one of which is made per re
 
 A request's deadline is its sender's lease: every LAYER/DONE header says what is left of it,
 and the request fails (`on_failed`) when it runs out before the DONE marker arrived.
+
+With a ticket book (`tickets`: the ticket of each request the owner expects now, handed out
+with its reservation) every LAYER/DONE/ABORT header must carry the tag of its request's
+current ticket (`auth.ticket_tag`) before it may touch a record, so no frame of another
+transfer (a cluster member that was not handed it, a late frame of an earlier attempt under
+the same id) writes into it, ends it, or ties it to a pair that then goes down:
+
+    header ─► tickets(rid) ─ None (not expected: ended, never reserved) ─► dropped
+                 │ ticket
+                 ├─ tag wrong ─► refused (counted in `frames_refused`), the pair goes on
+                 └─ tag right ─► the request's record, as below
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -69,14 +81,19 @@ class KVReceiver:
     """Accepts pairs from senders and delivers their layers to `sink`."""
 
     def __init__(
-        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None
+        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None,
+        tickets: Callable[[str], bytes | None] | None = None,
     ) -> None:
+        """`tickets(wire request id)`: the ticket that request's frames must be tagged under,
+        None if it is not expected (see the module docstring); None = frames are not bound
+        to tickets (transport tools and tests)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {type(host).__name__}")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self._config = config or TransferConfig()
         self._sink = sink
+        self._tickets = tickets
         self._host = host
         # Listen on exactly `host`: a TCPStore left to itself binds every interface.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -174,6 +191,8 @@ class KVReceiver:
     # ---- pair handler (called from pair threads) ---------------------------------------------
 
     def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
+        if not self._ticket_ok(pair, header):
+            return
         rec = self._record_for(pair, header)
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
@@ -195,6 +214,21 @@ class KVReceiver:
             self._fail(rec, reason)
 
     # ---- delivery ----------------------------------------------------------------------------
+
+    def _ticket_ok(self, pair: ReceiverPair, header: Header) -> bool:
+        """May this frame go to its request? (See the module docstring.)"""
+        if self._tickets is None:
+            return True
+        ticket = self._tickets(header.rid)
+        if ticket is None:
+            log.debug("dropped a %s frame for %s: not expected", header.kind.value, header.rid)
+            return False
+        if auth.tag_matches(ticket, header):
+            return True
+        self._stats.record_frame_refused()
+        log.warning("refused a %s frame for %s from %s: not tagged under the ticket of the "
+                    "transfer this worker expects", header.kind.value, header.rid, pair.peer)
+        return False
 
     def _record_for(self, pair: ReceiverPair, header: Header) -> _Inbound | None:
         request_id = header.rid

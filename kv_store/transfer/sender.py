@@ -7,7 +7,9 @@ A housekeeping thread enforces leases and idle timeouts.
 
 A request's lease starts with its first call (`lease_s`, at most `TransferConfig.lease_s`) and
 covers everything up to its DONE marker being on the wire; every header carries what is left
-of it, so the receiver drops the request when the sender does.
+of it, so the receiver drops the request when the sender does. Its ticket (`ticket`, the key
+the receiving worker handed out for this transfer) is fixed by the first call too, and tags
+every header of the request (`auth.ticket_tag`): the receiver accepts only those.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch
 
-from kv_store.transfer import wire
+from kv_store.transfer import auth, wire
 from kv_store.transfer.checks import check_body, check_layer, check_lease, check_request_id
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.rendezvous import parse_address
@@ -49,6 +51,7 @@ class _Outbound:
     address: str
     created: float
     lease_deadline: float
+    ticket: bytes = field(default=b"", repr=False)  # tags every header (b"": unbound)
     future: Future = field(default_factory=Future)
     state: TransferState = TransferState.PENDING
     pair: SenderPair | None = None
@@ -78,37 +81,41 @@ class KVSender:
     def send_layer(
         self, address: str, request_id: str, layer: int, block_ids: Sequence[int],
         kv: torch.Tensor, head_start: int = 0, lease_s: float | None = None,
+        ticket: bytes = b"",
     ) -> None:
         """Queue one layer's blocks for `address` (non-blocking); `kv` must not change later.
         `head_start` is the global index of kv's first KV head (dim 2) when it is a slice.
-        `lease_s` sets the request's lease on its first call (default: the config's)."""
+        `lease_s` sets the request's lease on its first call (default: the config's);
+        `ticket` is the transfer's, from the receiver's hand-off (b"": none)."""
         blocks = check_layer(self._config, address, request_id, layer, block_ids, kv)
         if not isinstance(head_start, int) or head_start < 0:
             raise ValueError(f"head_start must be a non-negative int, got {head_start!r}")
         check_lease(lease_s)
+        auth.check_ticket(ticket)
         transport, device = self._transport_for(kv)
         settle: list[_Settle] = []
         with self._lock:
-            rec = self._live_record(address, request_id, "send_layer", lease_s)
+            rec = self._live_record(address, request_id, "send_layer", lease_s, ticket)
             if rec is not None:
                 header = Header(Kind.LAYER, rid=request_id, layer=layer, blocks=blocks,
                                 shape=tuple(kv.shape), dtype=wire.dtype_name(kv.dtype),
                                 head_start=head_start, lease_s=_left(rec))
-                self._enqueue(rec, Outgoing(header, kv, _ready_event(kv)), transport, device,
-                              settle)
+                self._enqueue(rec, Outgoing(auth.tagged(header, rec.ticket), kv,
+                                            _ready_event(kv)), transport, device, settle)
         _run(settle)
 
     def finish(self, address: str, request_id: str, body: bytes,
-               lease_s: float | None = None) -> Future[TransferResult]:
+               lease_s: float | None = None, ticket: bytes = b"") -> Future[TransferResult]:
         """After the queued layers, send DONE carrying `body` (the caller's encoded message);
-        the future says how it went. `lease_s` as for `send_layer`."""
+        the future says how it went. `lease_s` and `ticket` as for `send_layer`."""
         parse_address(address)
         check_request_id(request_id)
         check_body(body)
         check_lease(lease_s)
+        auth.check_ticket(ticket)
         settle: list[_Settle] = []
         with self._lock:
-            rec = self._live_record(address, request_id, "finish", lease_s)
+            rec = self._live_record(address, request_id, "finish", lease_s, ticket)
             if rec is None:  # already failed: its future carries the reason
                 return self._failed_future(request_id)
             if rec.finished:
@@ -116,24 +123,28 @@ class KVSender:
             rec.finished = True
             transport, device = ("gloo", None) if rec.pair is None else self._key_of(rec.pair)
             done = Header(Kind.DONE, rid=request_id, body=bytes(body), lease_s=_left(rec))
-            self._enqueue(rec, Outgoing(done), transport, device, settle)
+            self._enqueue(rec, Outgoing(auth.tagged(done, rec.ticket)), transport, device,
+                          settle)
             future = rec.future
         _run(settle)
         return future
 
-    def abort(self, address: str, request_id: str, reason: str) -> None:
-        """Drop the request's queued layers, fail it, and tell the receiver."""
+    def abort(self, address: str, request_id: str, reason: str, ticket: bytes = b"") -> None:
+        """Drop the request's queued layers, fail it, and tell the receiver (under the
+        request's ticket; `ticket` for a request that sent nothing yet)."""
         parse_address(address)
         check_request_id(request_id)
+        auth.check_ticket(ticket)
         settle: list[_Settle] = []
         with self._lock:
             rec = self._requests.get(request_id)
             pair = rec.pair if rec is not None else None
             if rec is not None:
+                ticket = rec.ticket
                 self._end(rec, TransferState.FAILED, f"aborted: {reason}", settle)
             elif self._history.get(request_id) is None:
                 self._history.add(request_id, TransferState.FAILED)
-            self._tell_abort(address, request_id, reason, pair, settle)
+            self._tell_abort(address, request_id, reason, ticket, pair, settle)
         _run(settle)
 
     def state(self, request_id: str) -> TransferState:
@@ -227,15 +238,17 @@ class KVSender:
     # ---- requests (caller holds self._lock) --------------------------------------------------
 
     def _live_record(self, address: str, request_id: str, caller: str,
-                     lease_s: float | None) -> _Outbound | None:
-        """The request's live record, created if new (its lease starts); None if it already
-        failed."""
+                     lease_s: float | None, ticket: bytes) -> _Outbound | None:
+        """The request's live record, created if new (its lease starts, its ticket is
+        fixed); None if it already failed."""
         if self._closed:
             raise RuntimeError("KVSender is closed")
         rec = self._requests.get(request_id)
         if rec is not None:
             if rec.address != address:
                 raise ValueError(f"request {request_id!r} goes to {rec.address}, not {address}")
+            if rec.ticket != ticket:
+                raise ValueError(f"request {request_id!r} was started under another ticket")
             if rec.finished and caller == "send_layer":
                 raise ValueError(f"send_layer() after finish() for request {request_id!r}")
             return rec
@@ -246,7 +259,7 @@ class KVSender:
             return None
         now = time.monotonic()
         lease = self._config.lease_s if lease_s is None else min(lease_s, self._config.lease_s)
-        rec = _Outbound(request_id, address, now, now + lease)
+        rec = _Outbound(request_id, address, now, now + lease, ticket)
         self._requests[request_id] = rec
         return rec
 
@@ -294,9 +307,10 @@ class KVSender:
             f"transfer of {request_id!r} failed: {self._history.reason(request_id)}"))
         return future
 
-    def _tell_abort(self, address: str, request_id: str, reason: str, pair: SenderPair | None,
-                    settle: list[_Settle]) -> None:
-        """Queue an ABORT ahead of everything else on a live pair to `address`."""
+    def _tell_abort(self, address: str, request_id: str, reason: str, ticket: bytes,
+                    pair: SenderPair | None, settle: list[_Settle]) -> None:
+        """Queue an ABORT (tagged under `ticket`) ahead of everything else on a live pair to
+        `address`."""
         if pair is None or not pair.accepting:
             pair = next((p for p in self._pairs.values()
                          if p.address == address and p.accepting), None)
@@ -305,7 +319,8 @@ class KVSender:
                 pair = self._pair_for(address, "gloo", None)
             except TransferError:
                 return  # no room for a pair: the receiver's own timeout will fail the request
-        pair.enqueue(Outgoing(Header(Kind.ABORT, rid=request_id, reason=reason)), front=True)
+        abort = auth.tagged(Header(Kind.ABORT, rid=request_id, reason=reason), ticket)
+        pair.enqueue(Outgoing(abort), front=True)
 
     # ---- pairs (caller holds self._lock) -----------------------------------------------------
 
@@ -371,7 +386,7 @@ class KVSender:
         reason = f"lease of {rec.lease_deadline - rec.created:.3g}s expired"
         pair = rec.pair
         self._end(rec, TransferState.FAILED, reason, settle)
-        self._tell_abort(rec.address, rec.request_id, reason, pair, settle)
+        self._tell_abort(rec.address, rec.request_id, reason, rec.ticket, pair, settle)
 
     def _close_idle(self, now: float) -> None:
         for key, pair in list(self._pairs.items()):

@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 4
+VERSION = 5
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
@@ -38,9 +38,15 @@ VERSION = 4
 #       transfer's lease, so the receiver gives up on a request when its sender does.
 #   4 — both version-3 changes together: sealed headers (on authenticated pairs) whose LAYER
 #       and DONE carry `lease_s`, DONE an opaque `body`.
+#   5 — LAYER, DONE and ABORT carry `tag`: an HMAC of the header's other fields under the
+#       transfer's ticket, the random key the decode worker handed out with its reservation
+#       over the authenticated RPC (`auth.ticket_tag`); empty for a transfer without one.
 
 MAX_BODY_BYTES = 64 << 10
 """Largest DONE body: it names a token or a count, never bulk data."""
+
+MAX_TAG_BYTES = 64
+"""Largest `tag` accepted (the tags made here are 32 bytes)."""
 
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""
@@ -71,9 +77,9 @@ class Kind(Enum):
 class Header:
     """One decoded control message; which fields matter depends on `kind`:
 
-        LAYER  rid, layer, blocks, shape, dtype, head_start, lease_s   (a payload follows)
-        DONE   rid, body, lease_s
-        ABORT  rid, reason
+        LAYER  rid, layer, blocks, shape, dtype, head_start, lease_s, tag  (a payload follows)
+        DONE   rid, body, lease_s, tag
+        ABORT  rid, reason, tag
         CLOSE  reason
     """
 
@@ -88,6 +94,9 @@ class Header:
     reason: str = ""
     lease_s: float = 0.0
     """Seconds left of the request's lease when the message was queued (LAYER, DONE)."""
+    tag: bytes = b""
+    """HMAC of the fields above under the request's ticket (`auth.ticket_tag`; LAYER, DONE,
+    ABORT); b"" for a transfer that has no ticket."""
 
 
 def pack(doc: dict[str, Any]) -> bytes:
@@ -121,6 +130,8 @@ def encode_header(h: Header) -> bytes:
         doc.update(body=bytes(h.body), lease_s=float(h.lease_s))
     else:
         doc["reason"] = h.reason
+    if h.kind is not Kind.CLOSE:
+        doc["tag"] = bytes(h.tag)
     return pack(doc)
 
 
@@ -136,17 +147,20 @@ def decode_header(data: bytes) -> Header:
     rid = _field(doc, "rid", str)
     if not rid:
         raise ProtocolError("field 'rid' is empty")
+    tag = _field(doc, "tag", bytes) if "tag" in doc else b""  # absent: an unbound transfer
+    if len(tag) > MAX_TAG_BYTES:
+        raise ProtocolError(f"field 'tag' has {len(tag)} bytes (max {MAX_TAG_BYTES})")
     if kind is Kind.DONE:
         body = _field(doc, "body", bytes)
         if len(body) > MAX_BODY_BYTES:
             raise ProtocolError(f"field 'body' has {len(body)} bytes (max {MAX_BODY_BYTES})")
-        return Header(kind, rid=rid, body=body, lease_s=_lease(doc))
+        return Header(kind, rid=rid, body=body, lease_s=_lease(doc), tag=tag)
     if kind is Kind.ABORT:
-        return Header(kind, rid=rid, reason=_field(doc, "reason", str))
-    return _decode_layer(doc, rid)
+        return Header(kind, rid=rid, reason=_field(doc, "reason", str), tag=tag)
+    return _decode_layer(doc, rid, tag)
 
 
-def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
+def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
     layer = _field(doc, "layer", int)
     blocks = tuple(_field(doc, "blocks", list))
     shape = tuple(_field(doc, "shape", list))
@@ -165,7 +179,7 @@ def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
     if dtype not in _DTYPES:
         raise ProtocolError(f"field 'dtype' {dtype!r} is not one of {sorted(_DTYPES)}")
     return Header(Kind.LAYER, rid=rid, layer=layer, blocks=blocks, shape=shape, dtype=dtype,
-                  head_start=head_start, lease_s=_lease(doc))
+                  head_start=head_start, lease_s=_lease(doc), tag=tag)
 
 
 def _lease(doc: dict[str, Any]) -> float:

@@ -3,13 +3,14 @@
 A decode worker D that the router sends a prompt whose longer prefix lives on this worker X
 (prefill or decode role) reserves fresh blocks and calls `PushKV` here:
 
-    PushKV{prompt, blocks [start, end), D's receivers and block ids}
+    PushKV{prompt, blocks [start, end), D's receivers and block ids, the pull's ticket}
       ─► check the request (fields, same block hash `extra`: same model, KV dtype, block size)
       ─► engine thread: pin the run of blocks from `start` that X really holds (hash and token
          ids; host/SSD blocks are loaded into fresh device blocks), copy each layer's blocks
          per receiving rank (its KV heads), unpin
       ─► KVSender: every layer to every D rank, then a `PullDone{n}` to each, all within
-         the pull's lease (what is left of the call's deadline: D's lease)
+         the pull's lease (what is left of the call's deadline: D's lease) and tagged under
+         the ticket (D drops any frame that is not)
       ─► {blocks_sent: n, kv_bytes}
 
 Holding nothing is not an error (n = 0, nothing is sent); D then recomputes. Pins never
@@ -27,6 +28,7 @@ import torch
 
 from kv_store.tp_layout import head_routes, wire_request_id
 from kv_store.transfer import TransferError
+from kv_store.transfer.auth import TICKET_BYTES
 from pdserve.serving import kv_messages
 from pdserve.serving.kv_messages import PullDone
 
@@ -63,6 +65,7 @@ class PushPlan:
     end: int  # one past the last
     dst: list[int]  # D's block for each block of [start, end)
     routes: list[Route]
+    ticket: bytes  # D's ticket for this pull: tags every frame
 
 
 def plan_push(request, engine: LLMEngine) -> PushPlan:
@@ -82,6 +85,9 @@ def plan_push(request, engine: LLMEngine) -> PushPlan:
     if not receivers or any(not a or not 0 <= r < s for a, r, s in receivers):
         raise PushError(bad, "endpoints must be non-empty, each with an address and "
                              "0 <= tp_rank < tp_size")
+    if len(request.kv_ticket) != TICKET_BYTES:
+        raise PushError(bad, f"kv_ticket must be the decode worker's {TICKET_BYTES}-byte "
+                             f"ticket for this pull, got {len(request.kv_ticket)} bytes")
     if request.hash_extra != engine.hash_extra:
         raise PushError(grpc.StatusCode.FAILED_PRECONDITION,
                         "hash_extra differs: this worker's KV blocks are not the caller's "
@@ -92,7 +98,8 @@ def plan_push(request, engine: LLMEngine) -> PushPlan:
     rank_of = {a: r for a, r, _ in receivers}
     routes = [Route(a, wire_request_id(request.request_id, 0, rank_of[a]), lo, hi)
               for a, lo, hi in head_routes(engine.model_config.num_kv_heads, 0, 1, receivers)]
-    return PushPlan(request.request_id, ids, start, end, list(request.block_ids), routes)
+    return PushPlan(request.request_id, ids, start, end, list(request.block_ids), routes,
+                    bytes(request.kv_ticket))
 
 
 def copy_blocks(engine: LLMEngine, plan: PushPlan) -> tuple[int, list[list[torch.Tensor]]]:
@@ -128,10 +135,11 @@ async def push_kv(loop: EngineLoop, sender, request, lease_s: float | None
         for route, layers in zip(plan.routes, copies, strict=True):
             for layer, kv in enumerate(layers):
                 sender.send_layer(route.address, route.wire_id, layer, plan.dst[:n], kv,
-                                  head_start=route.lo, lease_s=lease_s)
+                                  head_start=route.lo, lease_s=lease_s, ticket=plan.ticket)
                 nbytes += kv.numel() * kv.element_size()
         body = kv_messages.encode(PullDone(n))
-        futures = [asyncio.wrap_future(sender.finish(r.address, r.wire_id, body, lease_s))
+        futures = [asyncio.wrap_future(sender.finish(r.address, r.wire_id, body, lease_s,
+                                                     plan.ticket))
                    for r in plan.routes]
         # asyncio.wait never cancels them; the sender settles each by its lease at the latest.
         done, late = await asyncio.wait(futures, timeout=lease_s)
@@ -141,7 +149,7 @@ async def push_kv(loop: EngineLoop, sender, request, lease_s: float | None
             f.result()  # raises the TransferError of a failed route
     except BaseException as exc:
         for r in plan.routes:  # the receiver drops what it got; nothing is pinned here
-            sender.abort(r.address, r.wire_id, f"push failed: {exc!r}")
+            sender.abort(r.address, r.wire_id, f"push failed: {exc!r}", plan.ticket)
         if isinstance(exc, TransferError | ValueError | TimeoutError):
             raise PushError(grpc.StatusCode.ABORTED, f"sending KV failed: {exc}") from None
         raise

@@ -70,7 +70,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
                       **{k: float(v) for k, v in stats.items()
-                         if k.startswith(("spec_", "kv_tier_"))}},
+                         if k.startswith(("spec_", "kv_tier_"))},
+                      **self.transfer_counters()},
             kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events))
 
     def _kv_events(self, snapshot: bool, take: bool) -> bytes:
@@ -83,6 +84,10 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             events = [BlockStored(self.recorder.worker_id, hashes, tier)
                       for tier, hashes in self.recorder.snapshot().items()]
         return encode_batch(events) if events else b""
+
+    def transfer_counters(self) -> dict[str, float]:
+        """Counters of the role's KV receiver, if it has one (none by default)."""
+        return {}
 
     async def GetInfo(self, request, context):
         e = self.loop.engine
@@ -121,7 +126,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         any thread. `stats` is None if the engine is down."""
         stats = self.loop.stats if self.loop.alive else None
         # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
-        return WorkerSnapshot(stats, dict(self.counters), self.loop.steps)
+        return WorkerSnapshot(stats, {**self.counters, **self.transfer_counters()},
+                              self.loop.steps)
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:

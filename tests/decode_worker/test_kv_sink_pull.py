@@ -23,7 +23,7 @@ def make(primary=True):
 
 def expect_pull(sink, blocks, timeout_s=10.0):
     seen = []
-    sink.expect("r", blocks, 0, Lease.start(timeout_s), PullDone,
+    sink.expect("r", blocks, 0, Lease.start(timeout_s), b"t" * 16, PullDone,
                 on_ready=lambda rid, done, lease: seen.append(done),
                 on_error=lambda rid, why: seen.append(why))
     return seen

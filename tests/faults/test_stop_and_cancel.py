@@ -198,7 +198,7 @@ def _send_layer(sender, ready, rid, layer):
     blocks = list(ready.block_ids[ready.cached_blocks:])
     kv = torch.randn(len(blocks), 2, 2, 16, 16)  # [n, k/v, kv heads, block size, head dim]
     sender.send_layer(ready.endpoints[0].address, rid, layer, blocks, kv,
-                      lease_s=ready.kv_lease_s)
+                      lease_s=ready.kv_lease_s, ticket=ready.kv_ticket)
 
 
 def test_a_transfer_whose_sender_stalls_ends_with_its_lease_and_leaks_nothing(cluster):
@@ -233,7 +233,8 @@ def test_cancel_during_the_transfer_frees_the_reservation_before_late_kv(cluster
             call.cancel()  # the client went away mid-transfer
             assert not any(wait_idle(cluster).values())
             _send_layer(sender, ready, "cut-1", 1)  # the rest arrives after the release
-            sender.finish(ready.endpoints[0].address, "cut-1", b"").exception(10)
+            sender.finish(ready.endpoints[0].address, "cut-1", b"",
+                          ticket=ready.kv_ticket).exception(10)
         finally:
             channel.close()
     assert not any(wait_idle(cluster).values())

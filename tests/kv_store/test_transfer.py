@@ -149,17 +149,18 @@ class AgentState:
         return self.senders[key]
 
     def op_send(self, address, rid, layers, n, dtype, body=None, config=None, abort=None,
-                finish=True, timeout=20.0, lease_s=None):
+                finish=True, timeout=20.0, lease_s=None, ticket=b""):
         sender = self.sender(config or {})
         for layer in range(layers):
             sender.send_layer(address, rid, layer, make_blocks(rid, n),
-                              make_kv(rid, layer, n, DTYPES[dtype]), lease_s=lease_s)
+                              make_kv(rid, layer, n, DTYPES[dtype]), lease_s=lease_s,
+                              ticket=ticket)
         if abort is not None:
             sender.abort(address, rid, abort)
         if abort is not None or not finish:
             return {"state": sender.state(rid).value}
         try:
-            result = sender.finish(address, rid, body or b"").result(timeout)
+            result = sender.finish(address, rid, body or b"", ticket=ticket).result(timeout)
         except TransferError as exc:
             return {"state": sender.state(rid).value, "error": str(exc)}
         return {"state": sender.state(rid).value, "layers": result.layers,

@@ -46,16 +46,18 @@ class KVSource(_message.Message):
     def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeReady(_message.Message):
-    __slots__ = ("cached_blocks", "block_ids", "endpoints", "kv_lease_s")
+    __slots__ = ("cached_blocks", "block_ids", "endpoints", "kv_lease_s", "kv_ticket")
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     KV_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     cached_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     kv_lease_s: float
-    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., kv_lease_s: _Optional[float] = ...) -> None: ...
+    kv_ticket: bytes
+    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., kv_lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -88,16 +90,18 @@ class DecodeEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[DecodeReady, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoints", "block_ids", "skip_blocks", "lease_s")
+    __slots__ = ("endpoints", "block_ids", "skip_blocks", "lease_s", "kv_ticket")
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_blocks: int
     lease_s: float
-    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...
+    kv_ticket: bytes
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "target", "deadline_unix_s")
@@ -158,7 +162,7 @@ class PrefetchResponse(_message.Message):
     def __init__(self, blocks_promoted: _Optional[int] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra")
+    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra", "kv_ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +170,7 @@ class PushKVRequest(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_block: int
@@ -173,7 +178,8 @@ class PushKVRequest(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     hash_extra: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
+    kv_ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("blocks_sent", "kv_bytes")
