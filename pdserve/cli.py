@@ -66,6 +66,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode worker")
     p.add_argument("--threads-per-worker", type=int, default=0)
     p.add_argument("--local-prefill-tokens", type=int, default=32)
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="most moves of one request to another worker after a worker fails it")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests move on")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
@@ -131,7 +135,9 @@ def cmd_up(a: argparse.Namespace) -> int:
                        worker_args=(*a.worker_arg, *_tier_worker_args(a)), log_dir=a.log_dir,
                        redis_url=a.redis, tls=a.tls == "auto", cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
-                                    "--http-port", str(a.http_port)))
+                                    "--http-port", str(a.http_port),
+                                    "--migration-limit", str(a.migration_limit),
+                                    "--heartbeat-timeout", str(a.heartbeat_timeout)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
