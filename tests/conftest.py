@@ -77,6 +77,24 @@ def tiny_qwen3_moe(tmp_path_factory):
 
     return save_tiny(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=7,
                      initializer_range=0.2)
+# DeepSeek (MLA + MoE): V2 (V2-Lite shape, group-limited routing) and V3 (q bottleneck,
+# noaux_tc routing with a random correction bias, yarn rope).
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("deepseek_v2"), "deepseek_v2", seed=8,
+                     initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3", seed=9,
+                     initializer_range=0.2)
+
+
 # The real default model (SmolLM2-135M-Instruct): prepared once per session into a private
 # cache, with one engine and one HF transformers reference shared by every test that needs it.
 @pytest.fixture(scope="session")

@@ -109,8 +109,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
-                                 max_positions or cfg.max_position_embeddings)
+        rotary = self.make_rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, cfg, dtype, tp, rotary)
                                     for i in range(cfg.num_layers))
@@ -118,6 +117,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The rotary table every layer shares (over `head_dim`; MLA: its rope part)."""
+        return RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
     def make_layer(self, index: int, cfg: ModelConfig, dtype: torch.dtype, tp: ParallelContext,
                    rotary: RotaryEmbedding) -> nn.Module:

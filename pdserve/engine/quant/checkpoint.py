@@ -76,7 +76,7 @@ def install_quantization(model: torch.nn.Module, scheme: QuantScheme) -> int:
     loading); returns the count."""
     count = 0
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and module.quantizable:
             method = Fp8LinearMethod(serialized=scheme.serialized)
         elif isinstance(module, FusedExperts):
             method = Fp8ExpertsMethod(serialized=scheme.serialized)
