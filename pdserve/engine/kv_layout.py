@@ -7,10 +7,10 @@ Every layer of a model has the same layout. One layer's cache on one tensor-para
     MLA  [num_blocks, 1, 1,              block_size, row]   the latent c_KV and the shared
                                                              rope key, one row per token
 
-where `row` is `head_dim` elements of the model's dtype, or `head_dim + 4` bytes when the
-format is FP8 (E4M3 values then their float32 scale, `pdserve.engine.quant.kv_fp8`). For
-MLA `head_dim` is `kv_lora_rank + qk_rope_head_dim` and the latent is the first
-`kv_lora_rank` elements of the row.
+where `row` is `head_dim` elements of the model's dtype, or, when the format is FP8, E4M3
+values followed by their float32 scale (`pdserve.engine.quant.kv_fp8`): `head_dim + 4` bytes
+for GQA, and for MLA the latent and the rope key packed with a scale each (`head_dim + 8`).
+For MLA `head_dim` is `kv_lora_rank + qk_rope_head_dim`, the latent first.
 
 Under tensor parallelism GQA heads are split over the ranks (replicated when there are fewer
 heads than ranks); the MLA row is one "head" that every rank holds whole. Both are the head
@@ -59,7 +59,7 @@ class KVLayout:
                                         or not 0 < self.latent_dim < self.head_dim):
             raise ValueError("an MLA layout has one cached head whose row is the latent then "
                              "the rope key")
-        self.format.last_dim(self.head_dim)  # FP8 rows need an aligned head_dim
+        _ = self.row_dim  # FP8 rows need 4-aligned parts (raises ValueError otherwise)
 
     @classmethod
     def gqa(cls, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -88,7 +88,11 @@ class KVLayout:
 
     @property
     def row_dim(self) -> int:
-        """Elements of `format.storage_dtype` per (token, head) as stored."""
+        """Elements of `format.storage_dtype` per (token, head) as stored (FP8 MLA: the
+        latent and the rope key packed with a scale each)."""
+        if self.kind is KVKind.MLA:
+            return (self.format.last_dim(self.latent_dim)
+                    + self.format.last_dim(self.head_dim - self.latent_dim))
         return self.format.last_dim(self.head_dim)
 
     def local_heads(self, tp_size: int = 1) -> int:

@@ -1,8 +1,8 @@
 """Paged multi-head latent attention (DeepSeek MLA) over the latent cache, in pure torch.
 
 One layer's cache is `[num_blocks, 1, 1, block_size, R]` (`pdserve.engine.kv_layout`, MLA):
-per token one row `[c_KV (r), k_rope (dr)]`, R = r + dr, shared by every head (FP8: E4M3 with
-one float32 scale per row, as `kv_fp8` packs it). Per head h, the checkpoint's `kv_b_proj`
+per token one row `[c_KV (r), k_rope (dr)]`, R = r + dr, shared by every head (FP8: each
+part E4M3 with its own float32 scale, as `kv_fp8` packs a row: r + dr + 8 bytes). Per head h, the checkpoint's `kv_b_proj`
 holds W_UK[h] [dn, r] and W_UV[h] [dv, r]: k_nope = W_UK c, v = W_UV c.
 
 Two exact forms of the same attention, chosen per request by its query length:
@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.metadata import AttentionMetadata
-from pdserve.engine.attention.torch_ref import read_kv
-from pdserve.engine.quant.kv_fp8 import is_packed_fp8, pack_fp8
+from pdserve.engine.quant.kv_fp8 import SCALE_BYTES, is_packed_fp8, pack_fp8, unpack_fp8
 
 ABSORB_MAX_QUERY = 16
 """Queries of at most this many tokens take the absorbed form (decode, verification)."""
@@ -56,19 +55,29 @@ class MLAHeads:
         return self.kv_b.view(self.num_heads, self.nope_dim + self.v_dim, -1)
 
 
-def write_latent(cache: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata) -> None:
-    """Store each new token's row ([T, R]: latent then rope key) at meta.slot_mapping."""
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+    """Store each new token's row (latent [T, r], rope key [T, dr]) at meta.slot_mapping.
+    FP8 packs the two parts with a scale each (their magnitudes differ: the latent is
+    normalised, the rope key is not): [c, scale_c, k_rope, scale_rope]."""
     bs = cache.shape[3]
     slots = meta.slot_mapping
     if is_packed_fp8(cache):
-        rows = pack_fp8(rows)
+        rows = torch.cat([pack_fp8(latent), pack_fp8(rope)], dim=-1)
+    else:
+        rows = torch.cat([latent, rope], dim=-1)
     cache[slots // bs, 0, 0, slots % bs] = rows.to(cache.dtype)
 
 
-def _rows(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _rows(cache: torch.Tensor, tables: torch.Tensor, dtype: torch.dtype,
+          rope_dim: int) -> torch.Tensor:
     """Cached rows of block tables [..., nb] as [..., nb * bs, R] in `dtype`."""
-    got = cache[:, 0, 0][tables]  # [..., nb, bs, R]
-    return read_kv(got.flatten(-3, -2), dtype)
+    got = cache[:, 0, 0][tables].flatten(-3, -2)  # [..., nb * bs, stored row]
+    if not is_packed_fp8(got):
+        return got.to(dtype)
+    split = got.shape[-1] - (rope_dim + SCALE_BYTES)
+    return torch.cat([unpack_fp8(got[..., :split], dtype), unpack_fp8(got[..., split:], dtype)],
+                     dim=-1)
 
 
 def mla_attend(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
@@ -117,7 +126,7 @@ def _decode(q_nope, q_rope, cache, meta, seqs, heads: MLAHeads, scale) -> torch.
     index = torch.tensor(seqs, device=q_nope.device)
     lens, tables = meta.seq_lens_t[index], meta.block_tables[index]
     nb = -(-max(meta.seq_lens[i] for i in seqs) // bs)
-    rows = _rows(cache, tables[:, :nb], q_nope.dtype).unsqueeze(1)  # [B, 1, L, R]
+    rows = _rows(cache, tables[:, :nb], q_nope.dtype, q_rope.shape[-1]).unsqueeze(1)
     latent = rows.shape[-1] - q_rope.shape[-1]
     q = _absorb(q_nope, q_rope, heads).unsqueeze(1)  # [B, 1, H, R]: heads as query rows
     mask = torch.arange(nb * bs, device=q.device).unsqueeze(0) <= (lens - 1).unsqueeze(1)
@@ -126,9 +135,9 @@ def _decode(q_nope, q_rope, cache, meta, seqs, heads: MLAHeads, scale) -> torch.
     return torch.einsum("bhr,hvr->bhv", o.squeeze(1), heads.w_uv)
 
 
-def _context(cache, table, ctx, dtype) -> torch.Tensor:
+def _context(cache, table, ctx, dtype, rope_dim) -> torch.Tensor:
     nb = -(-ctx // cache.shape[3])
-    return _rows(cache, table[:nb], dtype)[:ctx]  # [ctx, R]
+    return _rows(cache, table[:nb], dtype, rope_dim)[:ctx]  # [ctx, R]
 
 
 def _causal(q_len: int, ctx: int, device) -> torch.Tensor:
@@ -139,7 +148,7 @@ def _causal(q_len: int, ctx: int, device) -> torch.Tensor:
 def _absorbed(q_nope, q_rope, cache, table, ctx, heads: MLAHeads, scale) -> torch.Tensor:
     """A short multi-token query (verification) in latent space: [q_len, H, dv]."""
     q_len, h = q_nope.shape[:2]
-    rows = _context(cache, table, ctx, q_nope.dtype)
+    rows = _context(cache, table, ctx, q_nope.dtype, q_rope.shape[-1])
     latent = rows.shape[-1] - q_rope.shape[-1]
     q = _absorb(q_nope, q_rope, heads).reshape(1, q_len * h, -1)  # rows (token, head)
     mask = _causal(q_len, ctx, q.device).repeat_interleave(h, dim=0)
@@ -151,7 +160,7 @@ def _absorbed(q_nope, q_rope, cache, table, ctx, heads: MLAHeads, scale) -> torc
 def _expanded(q_nope, q_rope, cache, table, ctx, heads: MLAHeads, scale) -> torch.Tensor:
     """A prefill chunk: the context's latents expanded to per-head keys and values."""
     q_len, h, dn = q_nope.shape
-    rows = _context(cache, table, ctx, q_nope.dtype)
+    rows = _context(cache, table, ctx, q_nope.dtype, q_rope.shape[-1])
     latent = rows.shape[-1] - q_rope.shape[-1]
     kv = F.linear(rows[:, :latent], heads.kv_b).view(ctx, h, dn + heads.v_dim)
     k_nope, v = kv.split([dn, heads.v_dim], dim=-1)

@@ -77,8 +77,7 @@ class MLAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
         q_rope, k_rope = self._rotate(positions, q_rope, k_rope.unsqueeze(1))
-        write_latent(cache, torch.cat([self.kv_a_layernorm(latent), k_rope[:, 0]], dim=-1),
-                     meta)
+        write_latent(cache, self.kv_a_layernorm(latent), k_rope[:, 0], meta)
         heads = MLAHeads(self.kv_b_proj.weight, self.num_heads, m.qk_nope_head_dim,
                          m.v_head_dim)
         out = mla_attend(q_nope, q_rope, cache, meta, heads, self.scale)
