@@ -95,7 +95,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
             max_model_len=e.max_model_len, endpoints=self.endpoints,
-            api_version=WORKER_API_VERSION, hash_extra=e.hash_extra)
+            api_version=WORKER_API_VERSION, hash_extra=e.hash_extra,
+            kv_bytes_per_block=e.kv_layout.block_bytes(e.tp.size))
 
     async def Prefetch(self, request, context):
         """Start promoting the listed blocks SSD → host so they are warm on arrival."""

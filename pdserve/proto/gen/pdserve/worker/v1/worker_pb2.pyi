@@ -233,7 +233,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra")
+    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra", "kv_bytes_per_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -243,6 +243,7 @@ class WorkerInfo(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_id: str
@@ -252,4 +253,5 @@ class WorkerInfo(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     api_version: int
     hash_extra: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
+    kv_bytes_per_block: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
