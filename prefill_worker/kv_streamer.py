@@ -10,8 +10,9 @@ Every rank of a tensor-parallel prefill group runs the same plan on its own KV h
 each decode rank exactly the heads that rank holds (re-sharding in transit, with `head_start`
 telling the receiver where the slice goes), as the engine's `KVLayout` routes them. When KV
 heads are replicated across ranks, only the lowest rank holding a head sends it: an MLA
-latent (one "head" every rank holds) goes from prefill rank 0 to each decode rank, once. The `PrefillDone` with the first token goes to the
-decode group's rank 0; every other (sender, receiver) pair gets a `PartsDone`.
+latent (one "head" every rank holds) goes from prefill rank 0 to each decode rank, once.
+The `PrefillDone` with the first token goes to the decode group's rank 0; every other
+(sender, receiver) pair gets a `PartsDone`.
 
 Every send carries what is left of the decode worker's lease on the blocks (`KVTarget`):
 past it, the sender drops the transfer, as the decode worker does (`pdserve.serving.kv_lease`).

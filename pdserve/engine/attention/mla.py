@@ -2,8 +2,9 @@
 
 One layer's cache is `[num_blocks, 1, 1, block_size, R]` (`pdserve.engine.kv_layout`, MLA):
 per token one row `[c_KV (r), k_rope (dr)]`, R = r + dr, shared by every head (FP8: each
-part E4M3 with its own float32 scale, as `kv_fp8` packs a row: r + dr + 8 bytes). Per head h, the checkpoint's `kv_b_proj`
-holds W_UK[h] [dn, r] and W_UV[h] [dv, r]: k_nope = W_UK c, v = W_UV c.
+part E4M3 with its own float32 scale, as `kv_fp8` packs a row: r + dr + 8 bytes). Per head
+h, the checkpoint's `kv_b_proj` holds W_UK[h] [dn, r] and W_UV[h] [dv, r]: k_nope = W_UK c,
+v = W_UV c.
 
 Two exact forms of the same attention, chosen per request by its query length:
 

@@ -19,4 +19,5 @@ MODEL_CLASSES = {
     "deepseek_v3": DeepseekForCausalLM,
 }
 
-__all__ = ["MODEL_CLASSES", "DeepseekForCausalLM", "LlamaForCausalLM", "MoEForCausalLM", "Qwen3ForCausalLM"]
+__all__ = ["MODEL_CLASSES", "DeepseekForCausalLM", "LlamaForCausalLM", "MoEForCausalLM",
+           "Qwen3ForCausalLM"]
