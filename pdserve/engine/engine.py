@@ -43,6 +43,7 @@ from pdserve.engine.sampler import SamplingRow, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 from pdserve.engine.stop import apply_stop_rules, stop_reason
 
 # Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
@@ -273,7 +274,11 @@ class LLMEngine:
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
         t0 = time.perf_counter()
-        logits = self.runner.logits(plan.chunks, layer_hook, tp_extra)
+        wants = self.spec.feature_spec if self.spec is not None else None
+        logits, features = self.runner.logits_and_features(plan.chunks, layer_hook, tp_extra,
+                                                           wants)
+        if features is not None:  # a learned drafter reads them once the step is applied
+            self.spec.observe(plan.chunks, features)
         if self.tiers is not None:  # prefill speed: the "recompute" side of load-or-recompute
             self.tiers.observe_forward(plan.chunks, logits, t0)
         rows, owners = self._sampling_rows(plan.chunks)
@@ -361,6 +366,20 @@ class LLMEngine:
         try:
             chunk = ScheduledChunk("prompt_logits", list(token_ids), 0, blocks, len(token_ids))
             return self.runner.logits([chunk])
+        finally:
+            self.pool.free(blocks)
+
+    @torch.inference_mode()
+    def prompt_features(self, token_ids: Sequence[int], spec: FeatureSpec = FeatureSpec()
+                        ) -> StepFeatures:
+        """Target features (what a learned drafter reads) at every position of a sequence:
+        a standalone pass like `prompt_logits` (training data for draft heads)."""
+        blocks = self.pool.allocate(-(-len(token_ids) // self.config.block_size))
+        if blocks is None:
+            raise RuntimeError("not enough free KV blocks for prompt_features")
+        try:
+            chunk = ScheduledChunk("prompt_features", list(token_ids), 0, blocks, 0)
+            return self.runner.logits_and_features([chunk], features=spec)[1]
         finally:
             self.pool.free(blocks)
 

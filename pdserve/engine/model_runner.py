@@ -15,6 +15,7 @@ from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 
 
 @dataclass(frozen=True)
@@ -75,14 +76,32 @@ class ModelRunner:
                tp_extra: dict | None = None) -> torch.Tensor:
         """Run the forward for a plan; fp32 logits of every sampled position, in plan order.
         `tp_extra` travels to the follower ranks with the step (e.g. KV sends)."""
+        return self.logits_and_features(chunks, layer_hook, tp_extra)[0]
+
+    @torch.inference_mode()
+    def logits_and_features(self, chunks: Sequence[ScheduledChunk],
+                            layer_hook: LayerHook | None = None, tp_extra: dict | None = None,
+                            features: FeatureSpec | None = None
+                            ) -> tuple[torch.Tensor, StepFeatures | None]:
+        """`logits`, and with a `FeatureSpec` the target features of every token of the
+        plan (what a learned drafter reads; `pdserve.engine.spec.features`)."""
         if self.before_forward is not None:
             self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
-                            self.backend, layer_hook)
+        if features is None:
+            hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
+                                self.backend, layer_hook)
+            feats = None
+        else:
+            hidden, aux = self.model.forward_features(
+                batch.input_ids, batch.positions, self.caches, batch.meta, self.backend,
+                layer_hook, features.aux_layers)
+            feats = StepFeatures(hidden, torch.cat(aux, dim=-1) if aux else None,
+                                 tuple(batch.meta.query_start))
         if batch.sample_index.numel() == 0:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.sample_index]).float()
+            empty = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+            return empty, feats
+        return self.model.compute_logits(hidden[batch.sample_index]).float(), feats
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:

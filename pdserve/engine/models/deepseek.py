@@ -41,14 +41,7 @@ class DeepseekForCausalLM(MoEForCausalLM):
         return DecoderLayer(cfg, dtype, MLAttention(cfg, dtype, tp, rotary), mlp)
 
     def param_target(self, name: str) -> tuple[str, object]:
-        name = name.replace(".shared_experts.", ".shared_expert.")
-        expert = expert_param_target(name)
-        if expert is not None:
-            return expert
-        for part, fused, shard in _FUSED:  # q/k/v keep their names: MLA has no fused QKV
-            if f".{part}." in name:
-                return name.replace(part, fused), shard
-        return name, None
+        return deepseek_param_target(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return super().load_weights((n, t) for n, t in weights if not self.is_mtp_tensor(n))
@@ -58,3 +51,16 @@ class DeepseekForCausalLM(MoEForCausalLM):
         m = _LAYER.match(name)
         return m is not None and int(m.group(1)) >= self.config.num_layers
 
+
+def deepseek_param_target(name: str) -> tuple[str, object]:
+    """(our parameter, shard id) of a DeepSeek decoder-layer tensor: experts stacked,
+    `shared_experts.` as `shared_expert.`, gate/up fused; q/k/v keep their names (MLA has
+    no fused QKV). Also what the MTP drafter's decoder layer loads with."""
+    name = name.replace(".shared_experts.", ".shared_expert.")
+    expert = expert_param_target(name)
+    if expert is not None:
+        return expert
+    for part, fused, shard in _FUSED:
+        if f".{part}." in name:
+            return name.replace(part, fused), shard
+    return name, None

@@ -132,12 +132,25 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend, layer_hook: LayerHook | None = None
                 ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm."""
+        return self.forward_features(input_ids, positions, caches, meta, backend,
+                                     layer_hook)[0]
+
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         caches: list[torch.Tensor], meta: AttentionMetadata,
+                         backend: AttentionBackend, layer_hook: LayerHook | None = None,
+                         aux_layers: tuple[int, ...] = ()
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`, plus the residual stream entering each layer of `aux_layers` (what an
+        EAGLE-3 drafter fuses), in that order."""
         x = self.embed_tokens(input_ids)
+        taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                taken[i] = x
             x = layer(positions, x, caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
-        return self.norm(x)
+        return self.norm(x), [taken[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)
