@@ -370,7 +370,7 @@ class LLMEngine:
             self.pool.free(blocks)
 
     @torch.inference_mode()
-    def prompt_features(self, token_ids: Sequence[int], spec: FeatureSpec = FeatureSpec()
+    def prompt_features(self, token_ids: Sequence[int], spec: FeatureSpec | None = None
                         ) -> StepFeatures:
         """Target features (what a learned drafter reads) at every position of a sequence:
         a standalone pass like `prompt_logits` (training data for draft heads)."""
@@ -379,7 +379,7 @@ class LLMEngine:
             raise RuntimeError("not enough free KV blocks for prompt_features")
         try:
             chunk = ScheduledChunk("prompt_features", list(token_ids), 0, blocks, 0)
-            return self.runner.logits_and_features([chunk], features=spec)[1]
+            return self.runner.logits_and_features([chunk], features=spec or FeatureSpec())[1]
         finally:
             self.pool.free(blocks)
 
