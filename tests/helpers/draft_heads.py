@@ -121,6 +121,15 @@ def fit_prompts(vocab: int) -> list[list[int]]:
 
 def fit_eagle(target: Path, out: Path, steps: int = 80) -> Path:
     """An EAGLE head fitted to `target`'s greedy continuations of `fit_prompts`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny tensors: a second thread only contends on a busy machine
+    try:
+        return _fit_eagle(target, out, steps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit_eagle(target: Path, out: Path, steps: int) -> Path:
     from pdserve.engine import LLM, SamplingParams
     from pdserve.engine.spec.heads import fit
 

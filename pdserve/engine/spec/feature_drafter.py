@@ -151,8 +151,8 @@ class FeatureProposer(Proposer):
                   for r in rows]
         device = self.caches[0].device
         batch = build_inputs(chunks, self.block_size, device)
-        shift = torch.cat([torch.full((len(r.token_ids),), r.seq.start, dtype=torch.int64)
-                           for r in rows]).to(device)
+        shift = torch.tensor([r.seq.start for r in rows], device=device).repeat_interleave(
+            torch.tensor([len(r.token_ids) for r in rows], device=device))
         feats = torch.cat([r.feats for r in rows])
         return self.head(batch.input_ids, batch.positions + shift, feats, self.caches,
                          batch.meta, self.backend)
