@@ -78,7 +78,7 @@ def run(a: argparse.Namespace) -> int:
         try:  # flags first: a mistake must not wait for Ray
             spec = up_spec(a)
         except ValueError as exc:
-            print(f"{prog}: {exc}", file=sys.stderr)
+            print(f"{prog}: {flags.explain(str(exc))}", file=sys.stderr)
             return 2
     try:
         if a.ray_cmd == "up":

@@ -189,3 +189,19 @@ def overrides(a: argparse.Namespace, file_has_autoscale: bool = False) -> dict[s
             raise ValueError("--no-router with router flags")
         out["router"] = None
     return out
+
+
+def explain(message: str) -> str:
+    """`message` (a schema error) with the flag of each field it names, e.g.
+    "decode.tp must be > 0" -> "decode.tp (--decode-tp) must be > 0"."""
+    import re
+
+    out = message
+    for f in ALL:
+        for path in f.paths:
+            section, _, name = path.rpartition(".")
+            named = path in message or (section and re.search(
+                rf"(^|\W){re.escape(section)}\W.*\b{re.escape(name)}\b", message))
+            if named and f.flag not in out:
+                out += f" [{path}: {f.flag}]"
+    return out

@@ -3,7 +3,8 @@ a READY line that reports what it was given (its GPUs, thread count, Redis URL's
 and waits for SIGTERM. Lets placement and controller tests run without loading a model.
 
 Its environment can make it misbehave like a real process does:
-  FAKE_READY_DELAY_S=S     announce READY only after S seconds (a slow model load)
+  FAKE_READY_DELAY_FILE=F  announce READY only after the seconds written in file F (a slow
+                           model load; a test changes it between starts)
   FAKE_FAIL=TEXT           print TEXT on stderr and exit 1 before READY (a failed start)
 """
 
@@ -30,7 +31,9 @@ def main() -> None:
         print("starting", a.worker_id, file=sys.stderr, flush=True)
         print(os.environ["FAKE_FAIL"], file=sys.stderr, flush=True)
         sys.exit(1)
-    if stop.wait(float(os.environ.get("FAKE_READY_DELAY_S", "0"))):
+    delay_file = os.environ.get("FAKE_READY_DELAY_FILE")
+    delay = float(open(delay_file).read() or 0) if delay_file else 0.0
+    if stop.wait(delay):
         return
     info = {"role": "fake", "address": f"{a.host}:1", "worker_id": a.worker_id, "tp": int(a.tp),
             "threads": int(a.threads), "metrics_address": f"{a.host}:2",
