@@ -48,6 +48,9 @@ class RayNode:
     proc: subprocess.Popen
     resources: dict[str, float]
     log: Path
+    node_manager_port: int
+    node_id: str = ""
+    """Ray's id of this raylet (known once it has joined)."""
 
 
 class RayNodes:
@@ -77,10 +80,11 @@ class RayNodes:
         """Start one more raylet (the first is the head) and wait until the cluster sees it."""
         index = len(self.nodes)
         resources = dict(resources or {})
+        manager_port = free_port()
         argv = [ray_binary(), "start", "--block", "--node-ip-address", HOST,
                 f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
                 f"--resources={json.dumps(resources)}", "--disable-usage-stats",
-                f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+                f"--node-manager-port={manager_port}", f"--object-manager-port={free_port()}",
                 f"--dashboard-agent-listen-port={free_port()}",
                 f"--dashboard-agent-grpc-port={free_port()}",
                 f"--runtime-env-agent-port={free_port()}",
@@ -94,9 +98,12 @@ class RayNodes:
         with open(log, "wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                     env=self.env(), start_new_session=True)
-        node = RayNode(index, proc, resources, log)
+        node = RayNode(index, proc, resources, log, manager_port)
         self.nodes.append(node)
         self._wait_nodes(sum(1 for n in self.nodes if n.proc.poll() is None), node)
+        ids = {port: nid for nid, port in self._query(
+            "[[n['NodeID'], n['NodeManagerPort']] for n in ray.nodes() if n['Alive']]")}
+        node.node_id = ids[manager_port]
         return node
 
     def _wait_nodes(self, alive: int, node: RayNode) -> None:
@@ -112,14 +119,21 @@ class RayNodes:
 
     def alive_nodes(self) -> int:
         """How many raylets the GCS counts as alive (-1 while it does not answer)."""
-        code = ("import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-                "print(sum(1 for n in ray.nodes() if n['Alive']))")
-        done = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(),
-                              capture_output=True, text=True, timeout=60)
         try:
-            return int(done.stdout.strip().splitlines()[-1])
+            return self._query("sum(1 for n in ray.nodes() if n['Alive'])")
         except (ValueError, IndexError):
             return -1
+
+    def _query(self, expression: str):
+        """`expression` evaluated by a driver of this cluster (in its own process), as JSON."""
+        code = ("import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                f"print(json.dumps({expression}))")
+        done = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(),
+                              capture_output=True, text=True, timeout=60)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def by_id(self, node_id: str) -> RayNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
 
     def stop_node(self, index: int, grace_s: float = 15.0) -> None:
         """Stop one raylet and everything it runs (its worker processes die with it)."""
