@@ -167,3 +167,33 @@ def test_tp_ranks_share_a_strict_pack_group_and_see_all_its_gpus(ray_head, redis
     finally:
         d.down()
     assert not _alive(p.pid) and not _alive(dec.pid)
+
+
+def test_the_serve_app_starts_or_adopts_the_deployment_resizes_it_and_reports_health(
+        ray_head, redis_server):
+    """What a RayService's Serve replica does (pdserve.deploy.serve_app), without Serve."""
+    from pdserve.deploy import Deployment, NoDeployment, schema
+    from pdserve.deploy.serve_app import PDServeApp, spec_from_args
+
+    pool = {"cpus_per_rank": 0.25, "module": FAKE}
+    spec = spec_from_args({"deployment": {
+        "model": "/unused", "name": "served", "host": "127.0.0.1", "router": None,
+        "env": {"PYTHONPATH": str(ROOT)}, "reconcile_period_s": 0.5,
+        "prefill": pool, "decode": pool}}, environ={"PDSERVE_REDIS_URL": redis_server.url()})
+    app = PDServeApp(schema.dump(spec))  # starts it, detached
+    assert app.deployment.status().converged
+    again = PDServeApp(schema.dump(spec))  # a restarted replica adopts the running one
+    assert again.deployment.status().processes == app.deployment.status().processes
+    app.reconfigure({"decode": 2})
+    eventually(lambda: len([p for p in Deployment.connect("served").status().of("decode")
+                            if p.phase == "ready"]) == 2, "user_config resizes the pool")
+    with pytest.raises(ValueError, match="unknown role"):
+        app.reconfigure({"decoder": 1})
+    import asyncio
+
+    body = json.loads(asyncio.run(app()))
+    assert body["name"] == "served" and body["targets"]["decode"] == 2
+    app.check_health()
+    Deployment.connect("served").down()
+    with pytest.raises(NoDeployment):
+        app.check_health()  # Serve restarts the replica, which starts the deployment again
