@@ -92,8 +92,14 @@ class Deployment:
             raise DeploymentExists(f"a deployment named {spec.name!r} is already running: "
                                    "`pdserve ray status` shows it, `pdserve ray down` stops "
                                    "it, or pick another --name")
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # On this driver's node (the head, usually: keep it free of GPU work), if it can.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
+                                              soft=True)
         options: dict[str, Any] = {"name": spec.controller_name, "namespace": NAMESPACE,
-                                   "num_cpus": 0, "max_restarts": 0}
+                                   "num_cpus": 0, "max_restarts": 0,
+                                   "scheduling_strategy": here}
         if detach:
             options["lifetime"] = "detached"
         actor = ray.remote(Controller).options(**options).remote(schema.dump(spec))

@@ -84,6 +84,7 @@ class Controller:
     """Runs inside Ray as an async actor (`ray.remote(Controller)`); one per deployment."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
+        _log_to_stderr()  # every event in this actor's Ray log (worker-*.err), with time
         self.spec: RayClusterSpec = schema.load(RayClusterSpec, spec)
         self.targets = self.spec.replicas()
         self.members: dict[str, _Member] = {}
@@ -105,6 +106,11 @@ class Controller:
     async def ping(self) -> str:
         self._ensure_loop()
         return self.spec.name
+
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
 
     async def spec_dict(self) -> dict[str, Any]:
         return schema.dump(self.spec)
@@ -405,6 +411,17 @@ class Controller:
 
 
 _ROLE_ORDER = {"router": 0, "prefill": 1, "decode": 2}
+
+
+def _log_to_stderr() -> None:
+    import sys
+
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
 
 
 async def _get(ref: Any, timeout_s: float) -> Any:

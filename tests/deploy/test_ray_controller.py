@@ -113,6 +113,23 @@ def test_a_detached_deployment_outlives_its_cli_heals_and_goes_down_clean(ray_he
                 if g["name"].startswith("heal-") and g["state"] != "REMOVED"]
 
 
+def test_a_lost_controller_takes_its_processes_with_it(ray_head, tmp_path, redis_server):
+    from pdserve.deploy import Deployment, NoDeployment
+
+    delay = tmp_path / "delay"
+    delay.write_text("0")
+    done = pdserve_ray(ray_head, "up", "--detach", "-f", str(fake_file(tmp_path, "orphan", delay)),
+                       "--redis", redis_server.url())
+    assert done.returncode == 0, done.stderr
+    d = Deployment.connect("orphan")
+    pids = [p.pid for p in d.status().processes]
+    os.kill(ray.get(d._actor.pid.remote()), 9)
+    eventually(lambda: not any(_alive(p) for p in pids), "no process outlives the controller",
+               timeout_s=60)
+    with pytest.raises(NoDeployment):
+        Deployment.connect("orphan").status()
+
+
 def test_a_failed_start_says_why_and_leaves_nothing(ray_head, tmp_path, redis_server):
     delay = tmp_path / "delay"
     delay.write_text("0")
