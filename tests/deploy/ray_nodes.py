@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 HOST = "127.0.0.1"
+TOKEN = secrets.token_hex(32)
+"""One token for every cluster this process starts: Ray caches the token it first reads, so a
+driver that connects to a second cluster must find the same one."""
 
 
 def free_port() -> int:
@@ -60,7 +63,7 @@ class RayNodes:
         self.temp = Path(f"/tmp/pdray-{secrets.token_hex(3)}")
         self.temp.mkdir()
         self.token = self.dir / "ray-token"
-        self.token.write_text(secrets.token_hex(32))
+        self.token.write_text(TOKEN)
         self.token.chmod(0o600)
         self.gcs_port = free_port()
         self.nodes: list[RayNode] = []
@@ -101,8 +104,14 @@ class RayNodes:
         node = RayNode(index, proc, resources, log, manager_port)
         self.nodes.append(node)
         self._wait_nodes(sum(1 for n in self.nodes if n.proc.poll() is None), node)
-        ids = {port: nid for nid, port in self._query(
-            "[[n['NodeID'], n['NodeManagerPort']] for n in ray.nodes() if n['Alive']]")}
+        for attempt in range(3):
+            try:
+                ids = {port: nid for nid, port in self._query(
+                    "[[n['NodeID'], n['NodeManagerPort']] for n in ray.nodes() if n['Alive']]")}
+                break
+            except (ValueError, IndexError, subprocess.TimeoutExpired):
+                if attempt == 2:
+                    raise
         node.node_id = ids[manager_port]
         return node
 
@@ -121,15 +130,15 @@ class RayNodes:
         """How many raylets the GCS counts as alive (-1 while it does not answer)."""
         try:
             return self._query("sum(1 for n in ray.nodes() if n['Alive'])")
-        except (ValueError, IndexError):
-            return -1
+        except (ValueError, IndexError, subprocess.TimeoutExpired):
+            return -1  # not answering yet (or a loaded machine): the caller polls again
 
     def _query(self, expression: str):
         """`expression` evaluated by a driver of this cluster (in its own process), as JSON."""
         code = ("import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
                 f"print(json.dumps({expression}))")
         done = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(),
-                              capture_output=True, text=True, timeout=60)
+                              capture_output=True, text=True, timeout=120)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
     def by_id(self, node_id: str) -> RayNode:
