@@ -81,7 +81,9 @@ class ProcessActor:
         gpus = sorted(set(own_gpu_ids()) | set(extra_gpu_ids), key=_gpu_order)
         # Only the GPUs reserved for it ("" = none: a CPU pool on a GPU node stays off them),
         # unless the deployment's env says otherwise.
-        child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
+        # Ray's own token (RAY_AUTH_TOKEN) stays with Ray: pdserve processes never call it.
+        inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+        child_env = {**inherited, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
         log = Path(self.log_dir) / f"{self.name}.log"
         self.process = ManagedProcess([sys.executable, "-m", module, *args], child_env,
                                       name=self.name, log_path=log)

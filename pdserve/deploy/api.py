@@ -68,6 +68,15 @@ def connect_ray(address: str | None = None) -> None:
             f"{AUTH_HINT}") from None
 
 
+def _head_node_id() -> str:
+    import ray
+
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return node["NodeID"]
+    return ray.get_runtime_context().get_node_id()
+
+
 class Deployment:
     """A handle on a running deployment's controller; cheap, any process may hold one."""
 
@@ -94,12 +103,11 @@ class Deployment:
                                    "it, or pick another --name")
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # On this driver's node (the head, usually: keep it free of GPU work), if it can.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(),
-                                              soft=True)
+        # On the head node (whose loss ends the Ray cluster anyway), if it can.
+        home = NodeAffinitySchedulingStrategy(_head_node_id(), soft=True)
         options: dict[str, Any] = {"name": spec.controller_name, "namespace": NAMESPACE,
                                    "num_cpus": 0, "max_restarts": 0,
-                                   "scheduling_strategy": here}
+                                   "scheduling_strategy": home}
         if detach:
             options["lifetime"] = "detached"
         actor = ray.remote(Controller).options(**options).remote(schema.dump(spec))

@@ -105,7 +105,8 @@ def test_a_detached_deployment_outlives_its_cli_heals_and_goes_down_clean(ray_he
     down = pdserve_ray(ray_head, "down", "--name", "heal")
     assert down.returncode == 0, down.stderr
     assert "decode-2" in down.stdout  # the one still starting is stopped too
-    eventually(lambda: not any(_alive(p) for p in pids), "every process is gone")
+    eventually(lambda: not any(_alive(p) for p in pids), "every process is gone",
+               timeout_s=60)
     assert "heal-controller" not in _named_actors()
     gone = pdserve_ray(ray_head, "status", "--name", "heal")
     assert gone.returncode == 1 and "no pdserve deployment named 'heal'" in gone.stderr
@@ -203,7 +204,8 @@ def test_the_serve_app_starts_or_adopts_the_deployment_resizes_it_and_reports_he
     assert again.deployment.status().processes == app.deployment.status().processes
     app.reconfigure({"decode": 2})
     eventually(lambda: len([p for p in Deployment.connect("served").status().of("decode")
-                            if p.phase == "ready"]) == 2, "user_config resizes the pool")
+                            if p.phase == "ready"]) == 2, "user_config resizes the pool",
+               timeout_s=90)
     with pytest.raises(ValueError, match="unknown role"):
         app.reconfigure({"decoder": 1})
     import asyncio

@@ -147,7 +147,8 @@ def test_a_detached_deployment_serves_heals_and_goes_down_clean(ray_head, redis_
     pids = [p.pid for p in d.status().processes]
     down = pdserve_ray(ray_head, "down", "--name", "serve")
     assert down.returncode == 0, down.stderr
-    eventually(lambda: not any(_alive(p) for p in pids), "every process is gone")
+    eventually(lambda: not any(_alive(p) for p in pids), "every process is gone",
+               timeout_s=90)
     assert "serve-controller" not in _named_actors()
     eventually(lambda: not registered_workers(redis_server.url()), "no Redis lease is left",
                timeout_s=30)
