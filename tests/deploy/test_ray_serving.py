@@ -48,10 +48,11 @@ reconcile_period_s: 1
 
 class Service:
     """Requests sent in a loop, each to the first router that answers (with the client's
-    own retries), while the test breaks things; every answer is checked."""
+    own retries), while the test breaks things; every answer is checked. `routers()` gives
+    the router addresses of the moment."""
 
-    def __init__(self, deployment, prompts, expected) -> None:
-        self.d, self.prompts, self.expected = deployment, prompts, expected
+    def __init__(self, routers, prompts, expected) -> None:
+        self.routers, self.prompts, self.expected = routers, prompts, expected
         self.answered = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -60,7 +61,7 @@ class Service:
     def once(self) -> None:
         from pdserve.client import Client, PDServeError
 
-        routers = self.d.status().routers()
+        routers = self.routers()
         for i, prompt in enumerate(self.prompts):
             last = None
             for address in routers:
@@ -123,7 +124,7 @@ def test_a_detached_deployment_serves_heals_and_goes_down_clean(ray_head, redis_
             assert b"pdserve_" in r.read()
     assert sorted(registered_workers(redis_server.url()).values()) == ["decode", "decode",
                                                                         "prefill"]
-    service = Service(d, prompts, expected)
+    service = Service(lambda: d.status().routers(), prompts, expected)
     service.once()
     assert service.answered == 2 and not service.errors
 
