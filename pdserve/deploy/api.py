@@ -166,7 +166,22 @@ class Deployment:
                 ray.kill(self._actor)
             except Exception:  # noqa: BLE001 — already gone
                 pass
+            self._wait_gone()
         return stopped
+
+    def _wait_gone(self, timeout_s: float = 30.0) -> None:
+        """Until Ray has released the controller's name (ray.kill only starts the kill)."""
+        import time
+
+        import ray
+
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            try:
+                ray.get_actor(f"{self.name}-controller", namespace=NAMESPACE)
+            except ValueError:
+                return
+            time.sleep(0.1)
 
     def _call(self, method: str, *args: Any) -> Any:
         import ray

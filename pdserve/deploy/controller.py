@@ -23,61 +23,20 @@ import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deploy import placement, reconcile, schema
-from pdserve.deploy.actors import MAX_CONCURRENCY, ProcessActor, RankHolder
+from pdserve.deploy import members, reconcile, schema
 from pdserve.deploy.autoscale import AutoscalePolicy, AutoscaleState, WorkerLoad
 from pdserve.deploy.autoscale_loop import Cadence, describe
-from pdserve.deploy.process import REDIS_URL_ENV
+from pdserve.deploy.members import CALL_TIMEOUT_S, MemberState
 from pdserve.deploy.reconcile import Phase
 from pdserve.deploy.spec import ROLES, RayClusterSpec
-from pdserve.deploy.status import DeploymentStatus, Event, ProcessStatus
+from pdserve.deploy.status import DeploymentStatus, Event
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
 EVENTS_KEPT = 50
-CALL_TIMEOUT_S = 10.0
-"""Longest wait for a quick actor call (poll, node, stats, tail)."""
-
-
-@dataclass
-class _Member:
-    """One process of the deployment, as the controller tracks it (owned by the loop)."""
-
-    name: str
-    role: str
-    serial: int
-    phase: Phase = Phase.PLACING
-    since: float = field(default_factory=time.monotonic)
-    actor: Any = None
-    holders: list[Any] = field(default_factory=list)
-    group: Any = None
-    node: dict = field(default_factory=dict)
-    info: dict = field(default_factory=dict)
-    error: str = ""
-    task: asyncio.Task | None = None
-
-    def view(self) -> reconcile.Member:
-        return reconcile.Member(self.name, self.role, self.phase, self.serial)
-
-    def status(self, now: float) -> ProcessStatus:
-        i = self.info
-        metrics = i.get("metrics_address", "") or (i.get("http_address", "")
-                                                   if self.role == "router" else "")
-        return ProcessStatus(
-            name=self.name, role=self.role, phase=self.phase.value, grpc=i.get("address", ""),
-            metrics=metrics, http=i.get("http_address", "") if self.role == "router" else "",
-            kv=i.get("kv_address", ""), node=self.node.get("ip", ""),
-            node_id=self.node.get("node_id", ""), pid=int(i.get("pid", -1)),
-            gpus=tuple(i.get("gpus", ())), log=i.get("log", ""), error=self.error,
-            age_s=round(now - self.since, 1))
-
-
-class StartFailure(RuntimeError):
-    """A member could not be placed or started; the message says why."""
 
 
 class Controller:
@@ -87,7 +46,7 @@ class Controller:
         _log_to_stderr()  # every event in this actor's Ray log (worker-*.err), with time
         self.spec: RayClusterSpec = schema.load(RayClusterSpec, spec)
         self.targets = self.spec.replicas()
-        self.members: dict[str, _Member] = {}
+        self.members: dict[str, MemberState] = {}
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)
         self.failures: list[str] = []
         self.backoff = reconcile.Backoff(self.spec.restart_backoff_s)
@@ -169,7 +128,7 @@ class Controller:
         if m is None or m.actor is None:
             known = ", ".join(self.members) or "none"
             raise ValueError(f"no running process {name!r} (processes: {known})")
-        out = await _get(m.actor.tail.remote(lines), CALL_TIMEOUT_S)
+        out = await members.get(m.actor.tail.remote(lines), CALL_TIMEOUT_S)
         return {**out, "node": m.node.get("ip", "")}
 
     async def down(self) -> dict[str, Any]:
@@ -238,7 +197,7 @@ class Controller:
         import ray
 
         ready = [m for m in self.members.values() if m.phase is Phase.READY]
-        results = await asyncio.gather(*(_get(m.actor.poll.remote(), CALL_TIMEOUT_S)
+        results = await asyncio.gather(*(members.get(m.actor.poll.remote(), CALL_TIMEOUT_S)
                                          for m in ready), return_exceptions=True)
         for m, r in zip(ready, results, strict=True):
             if m.phase is not Phase.READY:
@@ -247,11 +206,11 @@ class Controller:
                 continue  # transient (e.g. the network): look again next round
             if isinstance(r, ray.exceptions.RayActorError):
                 self._lose(m, f"its actor died (node {m.node.get('ip', '?')} lost?): "
-                              f"{_first_line(r)}")
+                              f"{members.first_line(r)}")
             elif isinstance(r, dict) and r.get("state") == "exited":
                 self._lose(m, r.get("error", "exited"))
 
-    def _lose(self, m: _Member, why: str) -> None:
+    def _lose(self, m: MemberState, why: str) -> None:
         self._move(m, Phase.LOST)
         m.error = why
         self._event(f"{m.name}: lost ({why.splitlines()[0]}); replacing it")
@@ -285,30 +244,29 @@ class Controller:
 
     async def _loads(self, role: str) -> dict[str, WorkerLoad]:
         ready = [m for m in self.members.values() if m.role == role and m.phase is Phase.READY]
-        results = await asyncio.gather(*(_get(m.actor.stats.remote(), CALL_TIMEOUT_S)
+        results = await asyncio.gather(*(members.get(m.actor.stats.remote(), CALL_TIMEOUT_S)
                                          for m in ready), return_exceptions=True)
         return {m.name: WorkerLoad.from_stats(r) for m, r in zip(ready, results, strict=True)
                 if isinstance(r, dict) and "error" not in r}
 
     # -- members -----------------------------------------------------------------------------
     def _launch(self, role: str) -> None:
-        m = _Member(f"{role}-{next(self._ids[role])}", role, next(self._serials))
+        m = MemberState(f"{role}-{next(self._ids[role])}", role, next(self._serials))
         self.members[m.name] = m
         m.task = asyncio.get_running_loop().create_task(self._bring_up(m))
 
-    async def _bring_up(self, m: _Member) -> None:
+    async def _bring_up(self, m: MemberState) -> None:
         try:
-            if m.role == "router":
-                await self._start_router(m)
-            else:
-                await self._start_worker(m)
+            await members.place(m, self.spec)
+            self._move(m, Phase.STARTING)
+            await members.start(m, self.spec)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 — becomes the member's error
             if m.phase is Phase.DRAINING:
                 return  # stopped on purpose while it started
             self._move(m, Phase.FAILED)
-            m.error = _describe(exc)
+            m.error = members.describe(exc)
             wait = self.backoff.failed(m.role, time.monotonic())
             self.failures.append(m.error)
             self._event(f"{m.name}: start failed, retrying {m.role} in {wait:g}s: "
@@ -323,85 +281,33 @@ class Controller:
         finally:
             self._poke()
 
-    async def _start_worker(self, m: _Member) -> None:
-        from ray.util.placement_group import placement_group
-
-        pool = self.spec.pool(m.role)
-        bundles = placement.rank_bundles(pool)
-        m.group = placement_group(bundles, strategy=placement.STRATEGY,
-                                  name=f"{self.spec.name}-{m.name}")
-        try:
-            await _get(m.group.ready(), self.spec.placement_timeout_s)
-        except TimeoutError:
-            raise StartFailure(
-                f"{m.name}: no node could take its placement group {bundles} "
-                f"({placement.STRATEGY}) within {self.spec.placement_timeout_s:g}s: check "
-                "`ray status` for nodes with these resources free") from None
-        self._move(m, Phase.STARTING)
-        m.actor = _remote(ProcessActor, placement.bundle_request(bundles[0]), m.group, 0) \
-            .remote(m.name, self.spec.log_dir)
-        m.holders = [_remote(RankHolder, placement.bundle_request(b), m.group, i).remote()
-                     for i, b in enumerate(bundles) if i > 0 and b.get("GPU")]
-        m.node = await _get(m.actor.node.remote(), self.spec.placement_timeout_s)
-        gpus = [g for ids in await asyncio.gather(*(_get(h.gpu_ids.remote(), CALL_TIMEOUT_S)
-                                                    for h in m.holders)) for g in ids]
-        args = placement.worker_args(self.spec.model, pool, m.name,
-                                     self.spec.host or m.node["ip"], self.spec.drain_timeout_s)
-        await self._start_process(m, pool.entry_module, args, gpus)
-
-    async def _start_router(self, m: _Member) -> None:
-        router = self.spec.router
-        assert router is not None
-        self._move(m, Phase.STARTING)
-        m.actor = _remote(ProcessActor, placement.router_request(router), None, 0,
-                          spread=True).remote(m.name, self.spec.log_dir)
-        m.node = await _get(m.actor.node.remote(), self.spec.placement_timeout_s)
-        args = placement.router_args(self.spec.model, router, self.spec.host or m.node["ip"],
-                                     self.spec.shutdown_grace_s)
-        await self._start_process(m, "router", args, [])
-
-    async def _start_process(self, m: _Member, module: str, args: list[str],
-                             gpus: list[str]) -> None:
-        env = {**self.spec.env, REDIS_URL_ENV: self.spec.redis_url}
-        timeout = self.spec.ready_timeout_s
-        m.info = await _get(m.actor.start.remote(module, args, env, gpus, timeout),
-                            timeout + 30)
-
-    async def _stop(self, m: _Member) -> None:
+    async def _stop(self, m: MemberState) -> None:
         """Drain one member: stop its process gracefully, then release what it holds."""
         if m.phase in reconcile.LIVE:
             self._move(m, Phase.DRAINING)
         if m.task is not None and not m.task.done() and m.actor is None:
             m.task.cancel()  # still placing: nothing runs yet
-        grace = self.spec.stop_grace_s
         if m.actor is not None:
-            try:
-                code = await _get(m.actor.stop.remote(grace), grace + 30)
-                self._event(f"{m.name}: stopped (exit code {code})")
-            except Exception as exc:  # noqa: BLE001 — a lost actor has nothing left to stop
-                self._event(f"{m.name}: stop: {_first_line(exc)}")
+            self._event(f"{m.name}: {await members.stop(m, self.spec.stop_grace_s)}")
         if m.task is not None and not m.task.done():
             m.task.cancel()
-        _release(m)
+        members.release(m)
         self.members.pop(m.name, None)
         self._poke()
 
-    def _reap(self, m: _Member) -> None:
+    def _reap(self, m: MemberState) -> None:
         """Release a dead member (its replacement is started by the same plan)."""
         if m.task is not None and not m.task.done():
             m.task.cancel()
 
         async def release() -> None:
             if m.actor is not None and m.phase is Phase.FAILED:
-                try:  # a failed start may leave a live process behind (e.g. a timeout)
-                    await _get(m.actor.stop.remote(1.0), CALL_TIMEOUT_S)
-                except Exception:  # noqa: BLE001
-                    pass
-            _release(m)
+                await members.stop(m, 1.0)  # a failed start may leave a process behind
+            members.release(m)
 
         asyncio.get_running_loop().create_task(release())
 
-    def _move(self, m: _Member, phase: Phase) -> None:
+    def _move(self, m: MemberState, phase: Phase) -> None:
         reconcile.check_transition(m.phase, phase)
         m.phase, m.since = phase, time.monotonic()
 
@@ -422,61 +328,3 @@ def _log_to_stderr() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-
-
-async def _get(ref: Any, timeout_s: float) -> Any:
-    """The result of a Ray call, awaited without blocking the actor's event loop;
-    asyncio.TimeoutError after `timeout_s`."""
-    return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
-
-
-def _remote(cls: type, req: placement.ActorRequest, group: Any, bundle: int,
-            spread: bool = False) -> Any:
-    """`cls` as a Ray actor asking for `req`, inside `bundle` of `group` when given."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    options: dict[str, Any] = {"num_cpus": req.num_cpus, "num_gpus": req.num_gpus,
-                               "resources": req.resources, "max_restarts": 0,
-                               "max_concurrency": MAX_CONCURRENCY}
-    if group is not None:
-        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            group, placement_group_bundle_index=bundle)
-    elif spread:
-        options["scheduling_strategy"] = "SPREAD"
-    return ray.remote(cls).options(**options)
-
-
-def _release(m: _Member) -> None:
-    """Free a member's actors and placement group (its process is gone or going)."""
-    import ray
-    from ray.util.placement_group import remove_placement_group
-
-    for a in [m.actor, *m.holders]:
-        if a is not None:
-            try:
-                ray.kill(a)
-            except Exception:  # noqa: BLE001 — already dead
-                pass
-    m.actor, m.holders = None, []
-    if m.group is not None:
-        try:
-            remove_placement_group(m.group)
-        except Exception:  # noqa: BLE001 — already removed
-            pass
-        m.group = None
-
-
-def _describe(exc: BaseException) -> str:
-    """A failure in words: the remote exception's own message, without Ray's traceback."""
-    cause = getattr(exc, "cause", None)
-    if isinstance(cause, BaseException):
-        exc = cause
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    return str(exc) or type(exc).__name__
-
-
-def _first_line(exc: BaseException) -> str:
-    text = _describe(exc)
-    return text.splitlines()[0] if text else type(exc).__name__
