@@ -1,9 +1,10 @@
 """Deploying pdserve on a cluster.
 
 Ray: the declarative schema of a deployment (`spec`, loaded from YAML or flags by `schema` /
-`flags`), the controller actor that owns and reconciles it (`controller`, its pure plan in
-`reconcile`, the Ray calls of one member in `members`), the actors that supervise each process (`actors`, `process`), the Python API
-(`api.Deployment`) that `pdserve ray ...` (`cli`) uses too, and the autoscaling policy
+`flags`), the controller actor that owns and reconciles it (`controller`; its pure plan in
+`reconcile`, the Ray calls of one member in `members`), the actors that supervise each
+process (`actors`, `process`), the Python API (`api.Deployment`) that `pdserve ray ...`
+(`cli`) uses too, and the autoscaling policy
 (`autoscale`, pure) with its cadence (`autoscale_loop`). Kubernetes lives at the repository
 root: the Helm chart in deploy/helm/pdserve, KubeRay manifests in deploy/kuberay, the image in
 deploy/Dockerfile; runbooks in docs/runbooks/.

@@ -19,8 +19,10 @@ nothing serving. Arguments and results are plain data (`schema.dump` of the spec
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
+import secrets
 import time
 from collections import deque
 from typing import Any
@@ -45,6 +47,8 @@ class Controller:
     def __init__(self, spec: dict[str, Any]) -> None:
         _log_to_stderr()  # every event in this actor's Ray log (worker-*.err), with time
         self.spec: RayClusterSpec = schema.load(RayClusterSpec, spec)
+        if not self.spec.cluster_secret:  # every process of this deployment shares one
+            self.spec = dataclasses.replace(self.spec, cluster_secret=secrets.token_urlsafe(32))
         self.targets = self.spec.replicas()
         self.members: dict[str, MemberState] = {}
         self.events: deque[Event] = deque(maxlen=EVENTS_KEPT)

@@ -49,6 +49,17 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _secret_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            value = f.read().strip()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path}: {exc.strerror}") from None
+    if not value:
+        raise argparse.ArgumentTypeError(f"{path} is empty")
+    return value
+
+
 def _pool_flags(role: str) -> list[Flag]:
     p = f"{role}."
     return [
@@ -91,6 +102,9 @@ DEPLOYMENT = [
     Flag("--redis", ("redis_url",), str,
          "Redis registry and KV index (default: $PDSERVE_REDIS_URL; keep the password out "
          "of command lines and files: prefer the variable)", "URL"),
+    Flag("--cluster-secret-file", ("cluster_secret",), _secret_file,
+         "file holding the cluster secret that authenticates internal calls (default: "
+         "$PDSERVE_CLUSTER_SECRET, else a fresh one per deployment)", "FILE"),
     Flag("--host", ("host",), str,
          "address every process binds (default: the IP of its Ray node)", "H"),
     Flag("--env", ("env",), _key_value, "extra environment of every process (repeatable)",

@@ -19,7 +19,7 @@ from typing import Any
 
 from pdserve.deploy import placement, reconcile
 from pdserve.deploy.actors import MAX_CONCURRENCY, ProcessActor, RankHolder
-from pdserve.deploy.process import REDIS_URL_ENV
+from pdserve.deploy.process import CLUSTER_SECRET_ENV, REDIS_URL_ENV
 from pdserve.deploy.reconcile import Phase
 from pdserve.deploy.spec import RayClusterSpec
 from pdserve.deploy.status import ProcessStatus
@@ -105,7 +105,7 @@ async def start(m: MemberState, spec: RayClusterSpec) -> None:
         module = pool.entry_module
         args = placement.worker_args(spec.model, pool, m.name, spec.host or m.node["ip"],
                                      spec.drain_timeout_s)
-    env = {**spec.env, REDIS_URL_ENV: spec.redis_url}
+    env = {**spec.env, REDIS_URL_ENV: spec.redis_url, CLUSTER_SECRET_ENV: spec.cluster_secret}
     timeout = spec.ready_timeout_s
     m.info = await get(m.actor.start.remote(module, args, env, gpus, timeout), timeout + 30)
 

@@ -153,7 +153,13 @@ class RayClusterSpec:
     """Address every process binds to and registers under; "" = the IP of the Ray node it
     lands on (what other nodes can reach). Tests on one machine pass 127.0.0.1."""
     env: dict[str, str] = field(default_factory=dict, hash=False)
-    """Extra environment of every process (e.g. OMP_NUM_THREADS, PDSERVE_LOG_FORMAT)."""
+    """Extra environment of every process (e.g. OMP_NUM_THREADS, PDSERVE_LOG_FORMAT, or the
+    TLS files as PDSERVE_TLS_CERT / _KEY / _CA, paths on every node: `pdserve.serving.security`)."""
+    cluster_secret: str = field(default="", repr=False)
+    """Authenticates internal calls (`pdserve.serving.security`); "" = a fresh one when the
+    deployment starts (the controller makes it), else $PDSERVE_CLUSTER_SECRET or the file of
+    `--cluster-secret-file`. Handed to every process as $PDSERVE_CLUSTER_SECRET (through the
+    actor's call arguments, never a command line or a Ray runtime env); never in a repr."""
     placement_timeout_s: float = 120.0
     """How long a worker's placement group may wait for a node that can hold it before the
     start counts as failed (and is retried, with backoff)."""
@@ -243,8 +249,9 @@ class RayClusterSpec:
 def load_spec(path: str | os.PathLike | None = None, overrides: dict[str, Any] | None = None,
               environ: dict[str, str] | None = None) -> RayClusterSpec:
     """The deployment a YAML file describes (`path`; None = flags only), with `overrides`
-    (dotted field paths, e.g. {"decode.replicas": 4}) applied on top and the Redis URL taken
-    from $PDSERVE_REDIS_URL when neither gives one. SchemaError names the file and field."""
+    (dotted field paths, e.g. {"decode.replicas": 4}) applied on top, and the Redis URL and
+    the cluster secret taken from $PDSERVE_REDIS_URL / $PDSERVE_CLUSTER_SECRET when neither
+    gives one. SchemaError names the file and field."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -262,6 +269,8 @@ def load_spec(path: str | os.PathLike | None = None, overrides: dict[str, Any] |
     env = os.environ if environ is None else environ
     if not data.get("redis_url") and env.get("PDSERVE_REDIS_URL"):
         data["redis_url"] = env["PDSERVE_REDIS_URL"]
+    if not data.get("cluster_secret") and env.get("PDSERVE_CLUSTER_SECRET"):
+        data["cluster_secret"] = env["PDSERVE_CLUSTER_SECRET"]
     try:
         return schema.load(RayClusterSpec, data)
     except schema.SchemaError as exc:
