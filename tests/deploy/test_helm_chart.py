@@ -28,9 +28,8 @@ VALUES = {"cpu": ("values-cpu.yaml",), "gpu": ("values-gpu.yaml",)}
 EVERYTHING = ("monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.enabled=true",
               "decode.autoscaling.kind=keda", "prefill.autoscaling.kind=keda",
               "auth.existingSecret=pdserve-auth", "tls.enabled=true", "tls.secretName=pd-tls",
-              "clusterSecret.enabled=true", "clusterSecret.existingSecret=pd-cluster",
-              "prefill.passDrainTimeout=true", "decode.passDrainTimeout=true",
-              "router.passShutdownGrace=true")
+              "tls.serverName=pdserve-internal", "monitoring.auth.existingSecret=pd-metrics",
+              "clusterSecret.existingSecret=pd-cluster")
 FULL = f"{RELEASE}-pdserve"
 
 
@@ -152,6 +151,8 @@ def test_workers_bind_the_pod_ip_register_in_redis_and_are_probed_on_their_port(
     assert (ports["grpc"], ports["metrics"]) == (a.port, a.metrics_port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert c[probe]["grpc"]["port"] == a.port, probe  # grpc.health.v1 on the worker
+    # Every internal call is authenticated with the cluster secret (a Secret of the release).
+    assert e["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-cluster"
     annotations = d["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == a.metrics_port
     if role == "decode":
@@ -293,15 +294,18 @@ def test_no_secret_carries_a_default_value():
     # `lookup`), never one in the chart.
     from tests.deploy import k8s_render
 
-    first = by_kind(render(), "Secret")[f"{FULL}-redis"]["data"]["password"]
-    k8s_render._render.cache_clear()
-    second = by_kind(render(), "Secret")[f"{FULL}-redis"]["data"]["password"]
-    assert first != second and len(first) >= 40
+    for name, key in ((f"{FULL}-redis", "password"), (f"{FULL}-cluster", "secret")):
+        k8s_render._render.cache_clear()
+        first = by_kind(render(), "Secret")[name]["data"][key]
+        k8s_render._render.cache_clear()
+        second = by_kind(render(), "Secret")[name]["data"][key]
+        assert first != second and len(first) >= 40, name
     for template in (CHART / "templates").glob("*"):
         assert "requirepass " not in template.read_text().replace("'requirepass %s", ""), \
             template
     # Referenced instead of created: no Secret rendered at all.
-    objs = render(sets=("redis.auth.existingSecret=my-redis",))
+    objs = render(sets=("redis.auth.existingSecret=my-redis",
+                        "clusterSecret.existingSecret=my-cluster"))
     assert not by_kind(objs, "Secret")
     assert env(container(objs, f"{FULL}-decode"))["PDSERVE_REDIS_PASSWORD"]["valueFrom"][
         "secretKeyRef"]["name"] == "my-redis"
@@ -333,19 +337,50 @@ def test_external_redis_takes_its_url_from_a_secret():
         render(sets=("redis.enabled=false",))
 
 
-def test_tls_and_the_cluster_secret_mount_files_and_reference_secrets():
+def test_tls_mounts_files_the_processes_take_and_the_secrets_are_referenced():
     objs = render(sets=EVERYTHING)
     for role in ("router", "prefill", "decode"):
         c = container(objs, f"{FULL}-{role}")
         mounts = {m["name"]: m for m in c["volumeMounts"]}
         assert mounts["tls"]["readOnly"] and mounts["tls"]["mountPath"] == "/etc/pdserve/tls"
         assert c["args"][c["args"].index("--tls-cert") + 1] == "/etc/pdserve/tls/tls.crt"
-        assert env(c)["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == \
-            "pd-cluster"
+        e = env(c)
+        assert e["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "pd-cluster"
+        assert e["PDSERVE_METRICS_TOKENS"]["valueFrom"]["secretKeyRef"]["name"] == "pd-metrics"
         volumes = {v["name"]: v for v in pods(objs)[f"{FULL}-{role}"]["volumes"]}
         assert volumes["tls"]["secret"]["secretName"] == "pd-tls"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert "tcpSocket" in c[probe], probe  # kubelet's gRPC probe cannot speak TLS
+    for role in ("prefill", "decode"):  # the workers' own parser takes every flag
+        a = _worker_options(container(objs, f"{FULL}-{role}"))
+        assert (a.tls_ca, a.tls_server_name) == ("/etc/pdserve/tls/ca.crt", "pdserve-internal")
+    router = container(objs, f"{FULL}-router")["args"]
+    assert "--tls-ca" not in router  # the public API asks no client certificate by default
+    assert router[router.index("--internal-tls-ca") + 1] == "/etc/pdserve/tls/ca.crt"
     assert env(container(objs, f"{FULL}-router"))["PDSERVE_AUTH_TOKENS"]["valueFrom"][
         "secretKeyRef"]["name"] == "pdserve-auth"
+    assert not by_kind(objs, "Secret") or f"{FULL}-cluster" not in by_kind(objs, "Secret")
+    for kind, name in (("ServiceMonitor", "router"), ("PodMonitor", "workers")):
+        spec = by_kind(objs, kind)[f"{FULL}-{name}"]["spec"]
+        (endpoint,) = spec.get("endpoints") or spec["podMetricsEndpoints"]
+        assert endpoint["scheme"] == "https"
+        assert endpoint["authorization"]["credentials"]["name"] == "pd-metrics"
+        assert endpoint["tlsConfig"]["serverName"] == "pdserve-internal"
+
+
+def test_the_router_takes_every_flag_the_chart_gives_it():
+    import contextlib
+    import io
+
+    from router.__main__ import parse
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
+        parse(["--help"])
+    usage = out.getvalue()
+    for objs in (render(), render(sets=EVERYTHING)):
+        for flag in (a for a in container(objs, f"{FULL}-router")["args"] if a.startswith("--")):
+            assert re.search(rf"{re.escape(flag)}(?![\w-])", usage), flag
 
 
 def _worker_metric_names() -> set[str]:

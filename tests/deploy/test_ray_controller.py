@@ -201,7 +201,9 @@ def test_the_serve_app_starts_or_adopts_the_deployment_resizes_it_and_reports_he
     app = PDServeApp(schema.dump(spec))  # starts it, detached
     assert app.deployment.status().converged
     again = PDServeApp(schema.dump(spec))  # a restarted replica adopts the running one
-    assert again.deployment.status().processes == app.deployment.status().processes
+    def pids(d) -> list[tuple[str, int]]:
+        return [(p.name, p.pid) for p in d.status().processes]
+    assert pids(again.deployment) == pids(app.deployment)
     app.reconfigure({"decode": 2})
     eventually(lambda: len([p for p in Deployment.connect("served").status().of("decode")
                             if p.phase == "ready"]) == 2, "user_config resizes the pool",

@@ -77,20 +77,61 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - name: PDSERVE_CLUSTER_SECRET
   valueFrom:
     secretKeyRef:
-      name: {{ required "clusterSecret.enabled needs clusterSecret.existingSecret" .Values.clusterSecret.existingSecret }}
+      name: {{ include "pdserve.clusterSecretName" . }}
       key: {{ .Values.clusterSecret.key }}
+{{- end }}
+{{- with .Values.monitoring.auth.existingSecret }}
+- name: PDSERVE_METRICS_TOKENS
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.monitoring.auth.key }}
 {{- end }}
 {{- end -}}
 
-{{/* The TLS flags and their mount (security: --tls-cert / --tls-key / --tls-ca). */}}
+{{- define "pdserve.clusterSecretName" -}}
+{{- default (printf "%s-cluster" (include "pdserve.fullname" .)) .Values.clusterSecret.existingSecret -}}
+{{- end -}}
+
+{{/* A probe on a gRPC port: gRPC health, or the port itself under TLS (kubelet's gRPC
+     probes speak plaintext only). */}}
+{{- define "pdserve.probe" -}}
+{{- if .root.Values.tls.enabled }}
+tcpSocket:
+  port: {{ .port }}
+{{- else }}
+grpc:
+  port: {{ .port }}
+{{- end }}
+{{- end -}}
+
+{{/* The TLS flags of a component (pdserve.serving.security.args): files of the mounted
+     Secret. Workers: their servers and mTLS between workers; the router: its public servers,
+     and mTLS to the workers. */}}
 {{- define "pdserve.tlsArgs" -}}
-{{- if .Values.tls.enabled }}
+{{- $t := .root.Values.tls -}}
+{{- if $t.enabled }}
 - --tls-cert
-- {{ .Values.tls.mountPath }}/tls.crt
+- {{ $t.mountPath }}/tls.crt
 - --tls-key
-- {{ .Values.tls.mountPath }}/tls.key
+- {{ $t.mountPath }}/tls.key
+{{- if or (ne .component "router") $t.clientCertsOnPublicAPI }}
 - --tls-ca
-- {{ .Values.tls.mountPath }}/ca.crt
+- {{ $t.mountPath }}/ca.crt
+{{- end }}
+{{- if eq .component "router" }}
+- --internal-tls-ca
+- {{ $t.mountPath }}/ca.crt
+{{- with $t.serverName }}
+- --internal-tls-server-name
+- {{ . }}
+{{- end }}
+{{- else }}
+{{- with $t.serverName }}
+- --tls-server-name
+- {{ . }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end -}}
 
