@@ -86,12 +86,21 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
             with Service(lambda: routers, prompts, expected) as service:
                 nodes.stop_node(nodes.by_id(victim.node_id).index)
 
+                last: list[DeploymentStatus] = []
+
                 def moved() -> bool:
-                    s = status(nodes)
+                    s = status(nodes)  # a process of its own each time: poll gently
+                    last[:] = [s] if s is not None else last
                     return s is not None and s.converged and victim.name not in [
                         x.name for x in s.processes]
-                eventually(moved, f"{victim.name} moves off the stopped node", timeout_s=300,
-                           period_s=1.0)
+                try:
+                    eventually(moved, f"{victim.name} moves off the stopped node",
+                               timeout_s=480, period_s=5.0)
+                except AssertionError as exc:
+                    from pdserve.deploy.cli import format_status
+
+                    raise AssertionError(f"{exc}; last status:\n" +
+                                         (format_status(last[0]) if last else "none")) from None
             now = {x.node_id for x in status(nodes).of("decode")}
             assert victim.node_id not in now and now <= decode_capable and len(now) == 2
             assert not _alive(victim.pid)

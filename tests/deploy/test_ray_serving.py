@@ -51,8 +51,9 @@ class Service:
     own retries), while the test breaks things; every answer is checked. `routers()` gives
     the router addresses of the moment."""
 
-    def __init__(self, routers, prompts, expected) -> None:
+    def __init__(self, routers, prompts, expected, pause_s: float = 0.2) -> None:
         self.routers, self.prompts, self.expected = routers, prompts, expected
+        self.pause_s = pause_s  # leaves the CPUs to the replacement's model load
         self.answered = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -79,7 +80,7 @@ class Service:
             self.answered += 1
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.pause_s):
             self.once()
 
     def __enter__(self) -> Service:
