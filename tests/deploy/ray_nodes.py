@@ -75,8 +75,11 @@ class RayNodes:
 
     def env(self, **extra: str) -> dict[str, str]:
         """The environment of a process that talks to this cluster (a `pdserve ray` CLI)."""
+        # No memory monitor: on a shared test machine Ray would kill this cluster's actors for
+        # memory that other processes use (it judges the whole host).
         return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token),
-                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0", **extra}
+                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_memory_monitor_refresh_ms": "0", **extra}
 
     def add(self, num_cpus: float, resources: dict[str, float] | None = None,
             num_gpus: int = 0) -> RayNode:
