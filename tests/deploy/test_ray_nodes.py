@@ -41,7 +41,7 @@ env: {json.dumps(env)}
 reconcile_period_s: 1
 prefill: {{tp: 2, resources: {{prefill_node: 1}}, {worker}}}
 decode: {{replicas: 2, resources: {{decode_node: 1}}, {worker}}}
-router: {{port: 0, http_port: -1, num_cpus: 0.25}}
+router: {{port: 0, http_port: -1, num_cpus: 0.25, resources: {{router_node: 1}}}}
 """)
     return str(path)
 
@@ -63,7 +63,8 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
     with RayNodes(tmp_path) as nodes:
         # The head holds the router, the prefill node type and one spare decode slot; two
         # more nodes hold one decode worker each.
-        head = nodes.add(num_cpus=2, resources={"prefill_node": 1, "decode_node": 1})
+        head = nodes.add(num_cpus=2, resources={"prefill_node": 1, "decode_node": 1,
+                                                "router_node": 1})
         nodes.add(num_cpus=1, resources={"decode_node": 1})
         nodes.add(num_cpus=1, resources={"decode_node": 1})
         decode_capable = {n.node_id for n in nodes.nodes if "decode_node" in n.resources}
@@ -72,8 +73,8 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
         assert up.returncode == 0, up.stderr[-3000:]
         try:
             st = status(nodes)
-            (p,) = st.of("prefill")
-            assert p.node_id == head.node_id  # the only node with prefill_node
+            (p,), (r,) = st.of("prefill"), st.of("router")
+            assert p.node_id == head.node_id == r.node_id  # the only prefill_node, router_node
             groups = nodes._query("{g['name']: sorted(set(g['bundles_to_node_id'].values())) "
                                   "for g in ray.util.placement_group_table().values() "
                                   "if g['state'] == 'CREATED'}")
