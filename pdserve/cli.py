@@ -1,12 +1,15 @@
 """The `pdserve` command: one entry point for every role.
 
-    pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
+    pdserve up [--model PATH] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
                [--redis URL] [--tls auto]
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
     pdserve ray up|status|scale|logs|down ...   (a Ray deployment: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
+
+PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
+--model every role serves the embedded default, SmolLM2-135M-Instruct (pdserve/default_model.py).
 
 With `--redis URL`, `pdserve up` starts the router in discovery mode: its pools follow the
 workers registered in Redis, so a worker started later joins the running cluster on its own,
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub.add_parser("up", help="start a local cluster"))
     _add_generate(sub.add_parser("generate", help="stream a completion"))
     _add_bench(sub.add_parser("bench", help="serving load generator (pdserve.loadgen)"))
-    demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
+    demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
     _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | status | scale | logs | "
@@ -51,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct, prepared into the cache on first use)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000,
@@ -62,6 +67,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode worker")
     p.add_argument("--threads-per-worker", type=int, default=0)
     p.add_argument("--local-prefill-tokens", type=int, default=32)
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="most moves of one request to another worker after a worker fails it")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests move on")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
@@ -104,10 +113,14 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pdserve.demo_model import ensure_demo_model
+    from pdserve.default_model import DefaultModelError, ensure_default_model
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    model = a.model or str(ensure_demo_model())
+    try:
+        model = a.model or str(ensure_default_model())
+    except DefaultModelError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
     secret = ""
     if a.cluster_secret_file:
         from pdserve.serving.security import SecretError, load_cluster_secret
@@ -123,7 +136,9 @@ def cmd_up(a: argparse.Namespace) -> int:
                        worker_args=(*a.worker_arg, *_tier_worker_args(a)), log_dir=a.log_dir,
                        redis_url=a.redis, tls=a.tls == "auto", cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
-                                    "--http-port", str(a.http_port)))
+                                    "--http-port", str(a.http_port),
+                                    "--migration-limit", str(a.migration_limit),
+                                    "--heartbeat-timeout", str(a.heartbeat_timeout)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -98,7 +98,8 @@ def _autoscale_flags(role: str) -> list[Flag]:
 
 
 DEPLOYMENT = [
-    Flag("--model", ("model",), str, "checkpoint dir, same path on every node", "DIR"),
+    Flag("--model", ("model",), str,
+         "HF checkpoint dir or .gguf file, same path on every node", "PATH"),
     Flag("--redis", ("redis_url",), str,
          "Redis registry and KV index (default: $PDSERVE_REDIS_URL; keep the password out "
          "of command lines and files: prefer the variable)", "URL"),

@@ -132,7 +132,7 @@ class RayClusterSpec:
     routers, autoscaling, and how processes are placed, started, replaced and stopped."""
 
     model: str
-    """Checkpoint directory, at the same path on every node."""
+    """HF checkpoint directory or .gguf file, at the same path on every node."""
     redis_url: str = field(default="", repr=False)
     """Redis KV index and worker registry (`redis://[user]:password@host:port/db`). Required:
     it is how routers discover workers as pools grow and shrink. `pdserve ray up` takes it

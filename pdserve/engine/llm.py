@@ -1,6 +1,6 @@
 """`LLM`: the single-process engine for offline use and as the parity reference.
 
-    llm = LLM(model_dir)
+    llm = LLM(model_path)     # HF directory, FILE.gguf, or None: the embedded default model
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
 """
 
@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text_stream import TextStream
-from pdserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -26,7 +27,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
 
@@ -42,10 +43,17 @@ class _Pending:
 
 
 class LLM:
-    def __init__(self, model_path: str, **options: Any) -> None:
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        """`model_path`: a Hugging Face checkpoint directory, a .gguf file or a directory
+        holding one; None serves the embedded default model (pdserve/default_model.py)."""
+        if model_path is None:
+            from pdserve.default_model import ensure_default_model
+
+            model_path = ensure_default_model()
         self.config = EngineConfig(model=str(model_path), **options)
-        self.tokenizer = Tokenizer.from_pretrained(model_path)
-        self.engine = LLMEngine(self.config)
+        checkpoint = open_checkpoint(model_path)
+        self.tokenizer = checkpoint.tokenizer()
+        self.engine = LLMEngine(self.config, checkpoint=checkpoint)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -92,7 +100,7 @@ class LLM:
         reason = out.finish_reason
         if delta.stopped and not out.finished:
             self.engine.finish_stopped(out.request_id)
-            reason = "stop"
+            reason = FinishReason.STOP
         if reason is None:
             return
         del pending[out.request_id]
