@@ -12,11 +12,8 @@ from safetensors import safe_open
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
-from pdserve.engine.quant.checkpoint import (
-    adapt_fp8_checkpoint,
-    install_quantization,
-    resolve_quantization,
-)
+from pdserve.engine.quant.checkpoint import resolve_quantization
+from pdserve.engine.quant.scheme import install_quantization
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -51,24 +48,27 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
                quantization: str | None = None) -> torch.nn.Module:
-    """Build and load the model; `quantization` ("fp8") quantises its linear layers, and an
-    FP8 checkpoint (quantization_config in config.json) is loaded as FP8 whatever it says."""
+    """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
+    and a quantised checkpoint (quantization_config in config.json) loads as it is stored."""
     model_dir = Path(model_dir)
     scheme = resolve_quantization(quantization, model_dir)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
-        if scheme is not None:  # before loading: FP8 checkpoints load into FP8 parameters
-            install_quantization(model, scheme)
+        if scheme is not None:  # before loading: quantised layers load into their own layout
+            install_quantization(model, scheme, tied=cfg.tie_word_embeddings)
     weights = iter_weights(model_dir)
-    if scheme is not None and scheme.serialized:
-        weights = adapt_fp8_checkpoint(weights, weight_shapes(model_dir))
+    if scheme is not None:
+        weights = scheme.adapt(weights, lambda: weight_shapes(model_dir))
     loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "method", None)
         if method is not None:
-            method.finalize(module)
+            try:
+                method.finalize(module)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
     return model.eval()

@@ -147,7 +147,7 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(owner, "weight_loader", None)
             if loader is None:
                 param.data.copy_(tensor)
-            else:
-                loader(param, tensor.to(param.dtype), shard)
+            else:  # a 4-bit `Int4Weight` goes to the layer as it is
+                loader(param, tensor.to(param.dtype) if torch.is_tensor(tensor) else tensor, shard)
             loaded.add(target)
         return loaded
