@@ -38,6 +38,10 @@ class EngineConfig:
     """None, "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations) or
     "int4" (W4A16: 4-bit group-quantised weights, 16-bit activations). A quantised checkpoint
     (GPTQ, AWQ, FP8: quantization_config in config.json) runs its own scheme either way."""
+    lm_head_dtype: str = "auto"
+    """Precision of the LM head's matmul: model (the model's dtype), bf16 (a bf16 copy), int4
+    (a 4-bit copy), or auto (the quantisation scheme's default; "model" without one). A tied
+    embedding keeps its full-precision rows for the lookup."""
     kv_cache_dtype: str = "auto"
     """auto (same as the model) or fp8 (E4M3 with per-block scales)."""
     speculative_config: dict[str, Any] | None = field(default=None, hash=False)
@@ -73,6 +77,9 @@ class EngineConfig:
         if self.quantization not in (None, "fp8", "int4"):
             raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
                              f"{self.quantization!r}")
+        if self.lm_head_dtype not in ("auto", "model", "bf16", "int4"):
+            raise ValueError(f"lm_head_dtype must be auto, model, bf16 or int4, got "
+                             f"{self.lm_head_dtype!r}")
         _check_tiers(self)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "

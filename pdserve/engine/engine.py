@@ -66,7 +66,8 @@ class LLMEngine:
         self.tp = tp
         try:
             model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,
-                               self.max_model_len, quantization=config.quantization)
+                               self.max_model_len, quantization=config.quantization,
+                               lm_head_dtype=config.lm_head_dtype)
         except BaseException:
             self.close()
             raise

@@ -13,6 +13,7 @@ from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.checkpoint import resolve_quantization
+from pdserve.engine.quant.lm_head import install_lm_head, resolve_lm_head
 from pdserve.engine.quant.scheme import install_quantization
 
 
@@ -47,15 +48,17 @@ def weight_shapes(model_dir: Path) -> dict[str, list[int]]:
 def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
-               quantization: str | None = None) -> torch.nn.Module:
+               quantization: str | None = None, lm_head_dtype: str = "auto") -> torch.nn.Module:
     """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
-    and a quantised checkpoint (quantization_config in config.json) loads as it is stored."""
+    and a quantised checkpoint (quantization_config in config.json) loads as it is stored;
+    `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`)."""
     model_dir = Path(model_dir)
     scheme = resolve_quantization(quantization, model_dir)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
         if scheme is not None:  # before loading: quantised layers load into their own layout
-            install_quantization(model, scheme, tied=cfg.tie_word_embeddings)
+            install_quantization(model, scheme)
+        install_lm_head(model, resolve_lm_head(lm_head_dtype, scheme), cfg.tie_word_embeddings)
     weights = iter_weights(model_dir)
     if scheme is not None:
         weights = scheme.adapt(weights, lambda: weight_shapes(model_dir))

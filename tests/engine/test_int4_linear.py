@@ -24,7 +24,6 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.parallel import ParallelContext
-from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.int4 import Int4LinearMethod
 from pdserve.engine.quant.int4_kernels import CpuPackedInt4, build_int4_matmul
 from pdserve.engine.quant.int4_quantize import default_group_size, quantize_int4
@@ -243,12 +242,8 @@ def test_int4_keeps_top1_predictions_of_the_full_precision_model(bigram_dir, int
 
 
 @pytest.mark.parametrize("lm_head", ["bf16", "int4"])
-def test_lm_head_copies_leave_the_tied_embedding_alone(tiny_qwen2, lm_head, monkeypatch):
-    from pdserve.engine.quant import checkpoint
-
-    scheme = resolve_quantization("int4", tiny_qwen2)
-    monkeypatch.setitem(checkpoint._AT_LOAD, "int4", lambda: type(scheme)(lm_head=lm_head))
-    llm = LLM(str(tiny_qwen2), num_gpu_blocks=16, quantization="int4")
+def test_lm_head_copies_leave_the_tied_embedding_alone(tiny_qwen2, lm_head):
+    llm = LLM(str(tiny_qwen2), num_gpu_blocks=16, quantization="int4", lm_head_dtype=lm_head)
     model = llm.engine.runner.model
     assert model.lm_head.weight is model.embed_tokens.weight  # tied, still full precision
     assert model.embed_tokens.weight.shape[0] == VOCAB
@@ -257,3 +252,16 @@ def test_lm_head_copies_leave_the_tied_embedding_alone(tiny_qwen2, lm_head, monk
     got = model.compute_logits(hidden)
     rel = ((got - want).norm() / want.norm()).item()
     assert rel < (0.01 if lm_head == "bf16" else 0.15), rel
+
+
+def test_an_untied_lm_head_keeps_only_its_copy(tiny_llama):
+    dense = LLM(str(tiny_llama), num_gpu_blocks=16)
+    hidden = torch.randn(2, dense.engine.model_config.hidden_size)
+    want = dense.engine.runner.model.compute_logits(hidden)
+    llm = LLM(str(tiny_llama), num_gpu_blocks=16, lm_head_dtype="bf16")  # no weight scheme
+    head = llm.engine.runner.model.lm_head
+    assert head.weight.numel() == 0 and head.method.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(llm.engine.runner.model.compute_logits(hidden), want,
+                               rtol=0, atol=0.02 * want.abs().max().item())
+    with pytest.raises(ValueError, match="lm_head_dtype"):
+        LLM(str(tiny_llama), lm_head_dtype="fp4")
