@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.layers.linear import LinearMethod
+from pdserve.engine.layers.moe import ExpertsMethod
 from pdserve.engine.quant.fp8 import Fp8LinearMethod
+from pdserve.engine.quant.fp8_experts import Fp8ExpertsMethod
 from pdserve.engine.quant.scheme import QuantScheme, ShapesFn, Weights
 
 SCALE_SUFFIX = ".weight_scale"
@@ -55,6 +57,9 @@ class Fp8Scheme(QuantScheme):
 
     def linear_method(self) -> LinearMethod:
         return Fp8LinearMethod(serialized=self.serialized)
+
+    def experts_method(self) -> ExpertsMethod:
+        return Fp8ExpertsMethod(serialized=self.serialized)
 
     def adapt(self, weights: Weights, shapes: ShapesFn) -> Iterator[tuple[str, object]]:
         if not self.serialized:

@@ -3,6 +3,7 @@ them. One small handler class per scheme (`Fp8Scheme`, `Int4Scheme`), chosen by 
 (`resolve_quantization` in `checkpoint`), never by file name.
 
     scheme.linear_method()          a fresh `LinearMethod` for one linear layer
+    scheme.experts_method()         the same for one MoE experts layer (`FusedExperts`)
     scheme.default_lm_head          the LM head's precision under lm_head_dtype="auto"
     scheme.adapt(weights, shapes)   checkpoint tensors -> what the layers' loaders take
     scheme.key                      the block-hash key of the weights' numerics
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from pdserve.engine.layers.linear import LinearBase, LinearMethod
+from pdserve.engine.layers.moe import ExpertsMethod, FusedExperts
 
 Weights = Iterable[tuple[str, object]]
 ShapesFn = Callable[[], Mapping[str, Sequence[int]]]
@@ -38,18 +40,27 @@ class QuantScheme(ABC):
     def linear_method(self) -> LinearMethod:
         """A new method for one linear layer (methods keep per-layer state)."""
 
+    def experts_method(self) -> ExpertsMethod:
+        """A new method for one MoE experts layer; schemes that do not cover experts refuse."""
+        raise ValueError(f"quantization {self.family!r} does not support MoE expert layers")
+
     def adapt(self, weights: Weights, shapes: ShapesFn) -> Iterator[tuple[str, object]]:
         """Checkpoint tensors as the layers' weight loaders take them."""
         return iter(weights)
 
 
 def install_quantization(model: torch.nn.Module, scheme: QuantScheme) -> int:
-    """Give every linear layer the scheme's method, before loading; returns the count."""
+    """Give every linear layer and every MoE experts layer the scheme's method, before
+    loading; returns the count."""
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
             method = scheme.linear_method()
-            module.method = method
-            method.prepare(module)
-            count += 1
+        elif isinstance(module, FusedExperts):
+            method = scheme.experts_method()
+        else:
+            continue
+        module.method = method
+        method.prepare(module)
+        count += 1
     return count
