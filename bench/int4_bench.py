@@ -38,7 +38,12 @@ from bench.fp8_bench import decode_tok_s  # noqa: E402
 from bench.real_text import PASSAGES  # noqa: E402
 from pdserve.engine import LLM  # noqa: E402
 from pdserve.engine.layers.linear import LinearBase  # noqa: E402
-from pdserve.engine.quant.int4_quantize import default_group_size, quantize_int4  # noqa: E402
+from pdserve.engine.quant.int4_quantize import (  # noqa: E402
+    CLIP_SEARCH,
+    MIN_MAX,
+    default_group_size,
+    quantize_int4,
+)
 
 REAL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPEED = {
@@ -145,12 +150,11 @@ def agreement(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
 
 def fake_int4(llm: LLM, clip: bool) -> LLM:
     """Replace every linear weight by its dequantised 4-bit value (fp32 matmuls)."""
-    ratios = None if clip else (1.0,)
+    ratios = CLIP_SEARCH if clip else MIN_MAX
     for m in llm.engine.runner.model.modules():
         if isinstance(m, LinearBase):
             w = m.weight.data
-            kw = {} if ratios is None else {"clip_ratios": ratios}
-            q = quantize_int4(w, default_group_size(w.shape[1]), **kw)
+            q = quantize_int4(w, default_group_size(w.shape[1]), clip_ratios=ratios)
             w.copy_(q.dequantize(w.dtype))
     return llm
 

@@ -26,7 +26,7 @@ from pdserve.engine.layers.linear import (
 from pdserve.engine.parallel import ParallelContext
 from pdserve.engine.quant.int4 import Int4LinearMethod
 from pdserve.engine.quant.int4_kernels import CpuPackedInt4, build_int4_matmul
-from pdserve.engine.quant.int4_quantize import default_group_size, quantize_int4
+from pdserve.engine.quant.int4_quantize import CLIP_SEARCH, default_group_size, quantize_int4
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
 from tests.helpers.engine import random_prompts
@@ -90,10 +90,10 @@ def test_group_size_is_128_halved_until_it_divides_the_width():
 def test_round_to_nearest_error_is_half_a_step_and_the_clip_search_only_helps():
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
     w[3, 7] = 12.0  # an outlier: the range of its group is mostly wasted without clipping
-    plain = quantize_int4(w, 64, clip_ratios=(1.0,))
+    plain = quantize_int4(w, 64)  # the default: min/max
     step = plain.scale.repeat_interleave(64, 1)
     assert ((plain.dequantize() - w).abs() <= step / 2 + 1e-6).all()
-    searched = quantize_int4(w, 64)
+    searched = quantize_int4(w, 64, clip_ratios=CLIP_SEARCH)
     err = lambda q: (q.dequantize() - w).square().view(64, 4, 64).sum(-1)  # noqa: E731
     assert (err(searched) <= err(plain) + 1e-6).all()
     assert err(searched).sum() < 0.95 * err(plain).sum()

@@ -4,9 +4,11 @@ Each group of `group_size` input features of a row gets its own range [lo, hi]:
 scale = (hi - lo) / 15, offset = lo, q = round((w - lo) / scale) in [0, 15] (the Q4_1 form).
 The plain min/max range spends its 16 levels on the group's extreme values; shrinking the range
 a little (`lo * r`, `hi * r`) clips those few values but steps every other value more finely.
-For every group we try each ratio in `clip_ratios` and keep the one with the smallest squared
-error over the group (llama.cpp and AWQ search their ranges the same way; no calibration data is
-needed for this one). `bench/int4_bench.py` measures what the search buys.
+With `clip_ratios=CLIP_SEARCH` every group tries each ratio and keeps the one with the smallest
+squared error over the group (llama.cpp and AWQ search ranges similarly). It lowers the weight
+error, but measured on the real default model it lowered top-1 agreement with the fp model
+(bench/int4_bench.py, docs/perf.md: 68.1% vs 70.3% per position), so the default is plain
+min/max, the range Q4_1 uses.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 from pdserve.engine.quant.int4_weight import Int4Weight
 
 DEFAULT_GROUP_SIZE = 128
-CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
+MIN_MAX = (1.0,)
+CLIP_SEARCH = (1.0, 0.95, 0.9, 0.85, 0.8)
 """Range shrink factors tried per group (1.0 = plain min/max)."""
 _MIN_STEP = 1e-12  # a constant group still gets a finite step (its values are exact: q = 0)
 _CHUNK_ROWS = 2048  # bounds the search's temporaries (a few MB per chunk)
@@ -38,7 +41,7 @@ def default_group_size(in_features: int, preferred: int = DEFAULT_GROUP_SIZE) ->
 
 
 def quantize_int4(w: torch.Tensor, group_size: int | None = None,
-                  clip_ratios: tuple[float, ...] = CLIP_RATIOS) -> Int4Weight:
+                  clip_ratios: tuple[float, ...] = MIN_MAX) -> Int4Weight:
     """w [N, K] float -> `Int4Weight` with float32 scales and offsets."""
     if w.dim() != 2 or not w.is_floating_point():
         raise ValueError(f"expected a float [N, K] weight, got {w.dtype} {list(w.shape)}")
