@@ -1,12 +1,15 @@
 """The `pdserve` command: one entry point for every role.
 
-    pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
+    pdserve up [--model PATH] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
                [--redis URL] [--tls auto]
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
     pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
+
+PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
+--model every role serves the embedded default, SmolLM2-135M-Instruct (pdserve/default_model.py).
 
 With `--redis URL`, `pdserve up` starts the router in discovery mode: its pools follow the
 workers registered in Redis, so a worker started later joins the running cluster on its own,
@@ -40,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub.add_parser("up", help="start a local cluster"))
     _add_generate(sub.add_parser("generate", help="stream a completion"))
     _add_bench(sub.add_parser("bench", help="serving load generator (pdserve.loadgen)"))
-    demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
+    demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
     _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
@@ -50,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct, prepared into the cache on first use)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--http-port", type=int, default=8000,
@@ -103,10 +108,14 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pdserve.demo_model import ensure_demo_model
+    from pdserve.default_model import DefaultModelError, ensure_default_model
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    model = a.model or str(ensure_demo_model())
+    try:
+        model = a.model or str(ensure_default_model())
+    except DefaultModelError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
     secret = ""
     if a.cluster_secret_file:
         from pdserve.serving.security import SecretError, load_cluster_secret

@@ -7,12 +7,10 @@ offline use. A `layer_hook` passed to `step()` runs after each layer's KV is wri
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -20,6 +18,7 @@ from kv_store.block_pool import BlockPool
 from kv_store.tiers.manager import TierManager, tier_stats_off
 from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
+from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loader import load_model
@@ -46,16 +45,19 @@ IO_STALL_WAIT_S = 0.001
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: ParallelContext = SINGLE,
-                 on_block_event=None, tp_role: str = "engine") -> None:
+                 on_block_event=None, tp_role: str = "engine",
+                 checkpoint: Checkpoint | None = None) -> None:
+        """`checkpoint`: `config.model` already opened (LLM shares it with its tokenizer)."""
         self.config = config
-        self.model_dir = Path(config.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.model_id = config.model_id or self.model_dir.name
+        # Local: the checkpoint (a GGUF's memory map) is not kept once the weights are loaded.
+        checkpoint = checkpoint or open_checkpoint(config.model)
+        self.model_config = checkpoint.model_config
+        self.model_id = config.model_id or checkpoint.model_id
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 32768)
-        self.eos_token_ids = frozenset(_eos_ids(self.model_dir, self.model_config))
+        self.eos_token_ids = checkpoint.eos_token_ids
         self.tp_driver = None
         if config.tensor_parallel_size > 1 and tp.size == 1:
             from pdserve.engine.tp.driver import TPDriver, check_divisible
@@ -68,7 +70,7 @@ class LLMEngine:
         tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
         try:
-            model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,
+            model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
                                self.max_model_len, quantization=config.quantization,
                                lm_head_dtype=config.lm_head_dtype)
         except BaseException:
@@ -83,7 +85,7 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
-        scheme = resolve_quantization(config.quantization, self.model_dir)
+        scheme = resolve_quantization(config.quantization, checkpoint.path)
         kv_key = f"{self.kv_dtype}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:
@@ -311,11 +313,3 @@ def _resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
         except ValueError:
             return torch.float32
     return parse_dtype(name)
-
-def _eos_ids(model_dir: Path, cfg: ModelConfig) -> set[int]:
-    ids = set(cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return ids

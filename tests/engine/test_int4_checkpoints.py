@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM
-from pdserve.engine.loader import iter_weights, weight_shapes
+from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.hf_int4 import HfInt4Format, adapt_hf_int4_checkpoint
 from pdserve.engine.quant.int4_scheme import Int4Scheme
@@ -41,7 +41,8 @@ def test_reader_reproduces_the_quantised_weights_exactly(tiny_llama, tmp_path, v
     scheme = resolve_quantization(None, ckpt)
     assert isinstance(scheme, Int4Scheme) and scheme.checkpoint.method == VARIANTS[variant][
         "method"]
-    got = dict(adapt_hf_int4_checkpoint(iter_weights(ckpt), weight_shapes(ckpt),
+    files = open_checkpoint(ckpt)
+    got = dict(adapt_hf_int4_checkpoint(files.iter_weights(), files.weight_shapes(),
                                         scheme.checkpoint))
     for name in sorted(reference):
         w = got[name]

@@ -157,8 +157,10 @@ class LlamaForCausalLM(nn.Module):
             loader = getattr(owner, "weight_loader", None)
             if loader is None:
                 param.data.copy_(tensor)
-            else:  # a 4-bit `Int4Weight` goes to the layer as it is
-                loader(param, tensor.to(param.dtype) if torch.is_tensor(tensor) else tensor, shard)
+            else:
+                # A 4-bit `Int4Weight` goes to its layer's loader as the checkpoint gave it.
+                value = tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                loader(param, value, shard)
             loaded.add(target)
         return loaded
 
