@@ -13,6 +13,9 @@ Speed rows: fp32 (the baseline), and `quantization="int4"` with each LM-head pre
 (`lm_head_dtype` model / bf16 / int4); decode tokens/s of the batch at batch 1 and 16, after the
 prefill of 48-token prompts, interleaved repeats, best of each (noise only slows a run).
 
+Kernel rows: one matmul of each of the model's shapes at M = 1 and 16, fp32 `F.linear` against
+the CPU int4 kernel, with enough distinct weights that each call reads its weight from memory.
+
 Agreement rows, against fp32 on `bench/real_text.PASSAGES`: first-token agreement (the top-1 at
 the last position of each passage, i.e. the first generated token) and per-position top-1
 agreement (every position). Then what quantising at load would give: fp32 engines whose linear
@@ -26,6 +29,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -103,6 +107,45 @@ def speed(model_dir: Path, batches: list[int], steps: int, repeats: int) -> list
             for name in llms for b in batches]
 
 
+KERNEL_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576),
+                 "down": (576, 1536), "lm_head": (49152, 576)}
+
+
+def kernel_rows(batches: list[int], copies: int = 30, repeats: int = 5) -> list[dict]:
+    """One layer's matmul as in a decode step of the real model's shapes: `copies` distinct
+    weights per shape, so each call streams its weight from memory as a real step does
+    (the LM head has one copy: it is 113 MB). fp32 F.linear vs the CPU int4 kernel."""
+    from pdserve.engine.quant.int4_kernels import build_int4_matmul
+
+    rows = []
+    for name, (n, k) in KERNEL_SHAPES.items():
+        count = 1 if name == "lm_head" else copies
+        dense = [torch.randn(n, k) * 0.02 for _ in range(count)]
+        int4 = [build_int4_matmul(quantize_int4(w, default_group_size(k)), torch.float32)
+                for w in dense]
+        for m in batches:
+            x = torch.randn(m, k)
+            ts = {"fp32": _best_us([partial(torch.nn.functional.linear, x, w) for w in dense],
+                                   repeats),
+                  "int4": _best_us([partial(w.matmul, x) for w in int4], repeats)}
+            rows.append({"layer": name, "N": n, "K": k, "M": m, "fp32_us": ts["fp32"],
+                         "int4_us": ts["int4"], "speedup": ts["fp32"] / ts["int4"]})
+    return rows
+
+
+def _best_us(calls: list, repeats: int) -> float:
+    """Best over `repeats` of the mean time of one call, in microseconds."""
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for call in calls:
+            call()
+        best = min(best, (time.perf_counter() - t0) / len(calls))
+    return best * 1e6
+
+
 def passage_ids(llm: LLM) -> list[list[int]]:
     return [llm.tokenizer.encode(p) for p in PASSAGES]
 
@@ -158,6 +201,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved runs; best is kept")
     ap.add_argument("--skip-quality", action="store_true")
     ap.add_argument("--skip-speed", action="store_true")
+    ap.add_argument("--skip-kernels", action="store_true")
     ap.add_argument("--output", default="bench/results/int4.json")
     a = ap.parse_args()
     cache = Path(os.environ.get("PDSERVE_CACHE_DIR") or Path.home() / ".cache" / "pdserve")
@@ -172,6 +216,10 @@ def main() -> None:
               f"threads, load average {os.getloadavg()[0]:.1f}")
         print_table(speed_rows, ["config", "batch", "decode_tok_s", "vs_fp32", "linear_MB",
                                  "lm_head_MB"])
+    kernels = [] if a.skip_kernels else kernel_rows(a.batches)
+    if kernels:
+        print("\nOne matmul, weights streamed from memory (best of 5), fp32 vs int4 (CPU kernel)")
+        print_table(kernels, ["layer", "N", "K", "M", "fp32_us", "int4_us", "speedup"])
     quality_rows = [] if a.skip_quality or a.random else quality(model_dir)
     if quality_rows:
         print(f"\nTop-1 agreement with fp32 on {len(PASSAGES)} real-text passages")
@@ -179,6 +227,7 @@ def main() -> None:
                                    "positions"])
     out = write_json(a.output, {"model": model_dir.name, "decode_steps": a.steps,
                                 "repeats": a.repeats, "speed": speed_rows,
+                                "kernels": kernels,
                                 "quality": quality_rows,
                                 "load_average": os.getloadavg()[0]})
     print(f"\nwrote {out}")

@@ -12,9 +12,9 @@ Lifecycle of one layer (one `Int4LinearMethod` per layer):
                 weight is the tied embedding) quantises its dense weight instead
     apply       x [.., K] in the model's dtype -> kernel -> [.., N] in the model's dtype
 
-Dtypes: the model's dtype is what flows between layers. Inside the CPU kernel activations are
-bf16 (fp16 for fp16 models), accumulation is fp32, and the output is cast back; the Triton
-kernel takes the model's dtype as it is. An act-order weight (`column_order`) permutes the
+Dtypes: the model's dtype is what flows between layers. Inside the CPU kernel activations,
+scales and zeros are bf16 (the op's only fast variant), accumulation is fp32, and the output
+is cast back to the model's dtype; the Triton kernel takes the model's dtype as it is. An act-order weight (`column_order`) permutes the
 input features before the matmul.
 """
 
