@@ -72,3 +72,28 @@ def test_engine_picks_triton_on_cuda_and_matches_the_reference():
     want = x.float() @ w.dequantize().t()
     torch.testing.assert_close(kernel.matmul(x).float(), want, rtol=0,
                                atol=2e-2 * want.abs().max().item())
+
+
+def test_a_linear_layer_on_the_triton_kernel(device):
+    """The engine's W4A16 method with the Triton backend (what CUDA runs), act order included."""
+    from pdserve.engine.layers.linear import ColumnParallelLinear
+    from pdserve.engine.quant.int4 import Int4LinearMethod
+    from pdserve.engine.quant.int4_quantize import quantize_int4
+    from pdserve.engine.quant.int4_weight import Int4Weight
+
+    gen = torch.Generator().manual_seed(3)
+    w = quantize_int4(torch.randn(48, 64, generator=gen), 32)
+    order = torch.randperm(64, generator=gen)
+    w = Int4Weight(w.qweight, w.scale, w.offset, 32, column_order=order)
+    with torch.device(device):
+        layer = ColumnParallelLinear(64, 48, bias=True)
+    method = Int4LinearMethod(kernel="triton")
+    layer.method = method
+    method.prepare(layer)
+    layer.weight_loader(layer.weight, w.to(device))
+    layer.weight_loader(layer.bias, torch.arange(48.0, device=device))
+    method.finalize(layer)
+    assert method.kernel.name == "triton"
+    x = torch.randn(5, 64, generator=gen).to(device)
+    want = x @ w.dequantize().to(device).t() + torch.arange(48.0, device=device)
+    torch.testing.assert_close(layer(x), want, rtol=0, atol=2e-3 * want.abs().max().item())
