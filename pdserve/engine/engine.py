@@ -35,6 +35,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.kv_format import KVCacheFormat
 from pdserve.engine.remote_kv import KVReservation, NoKVCapacity, PullReservation
 from pdserve.engine.request import Request, RequestStatus
@@ -79,7 +80,8 @@ class LLMEngine:
         self.tp = tp
         try:
             model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
-                               self.max_model_len, quantization=config.quantization)
+                               self.max_model_len, quantization=config.quantization,
+                               lm_head_dtype=config.lm_head_dtype)
         except BaseException:
             self.close()
             raise
@@ -92,7 +94,8 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
-        kv_key = f"{self.kv_dtype}|w={config.quantization or 'none'}"
+        scheme = resolve_quantization(config.quantization, checkpoint.path)
+        kv_key = f"{self.kv_dtype}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:
             self.pool.set_evict_listener(self.tiers.demote)

@@ -74,7 +74,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--quantization", default=None)
+    p.add_argument("--quantization", default=None, help="fp8 or int4 (W4A16)")
+    p.add_argument("--lm-head-dtype", default="auto", help="auto, model, bf16 or int4")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
     p.add_argument("--model-id", default="")
@@ -126,6 +127,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         attention_backend=a.attention_backend, quantization=a.quantization,
+        lm_head_dtype=a.lm_head_dtype,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
         kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
