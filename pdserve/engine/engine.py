@@ -29,11 +29,13 @@ from pdserve.engine.outputs import StepOutput
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.kv_format import KVCacheFormat
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SamplingRow, TokenLogprobs
+from pdserve.engine.sampler import SamplingRow, TokenLogprobs, apply_token_bitmask, score_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
 from pdserve.engine.stop import apply_stop_rules
+from pdserve.engine.structured.compiler import GrammarCompiler
+from pdserve.engine.structured.manager import StructuredOutputs
 
 # Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
 DEMOTE_AHEAD_PER_STEP = 2
@@ -96,6 +98,9 @@ class LLMEngine:
         self.spec = build_speculator(self)
         if self.spec is not None:
             self.scheduler.add_release_listener(self.spec.on_release)
+        # Grammar matchers of constrained requests (xgrammar loads on the first one).
+        self.structured = StructuredOutputs(self._grammar_compiler, self.vocab_size)
+        self.scheduler.add_release_listener(self._on_release)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
@@ -105,6 +110,9 @@ class LLMEngine:
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed, status=status)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        self.structured.prepare(req)  # an invalid grammar is a ValueError, nothing added
         self.scheduler.add(req)
         return req
 
@@ -119,6 +127,13 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids contains ids outside [0, {self.vocab_size}): "
                              f"{bad[:5]}")
         params.validate_for_model(self.vocab_size)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (and cache) a constrained request's grammar; callable from any thread.
+        Workers call it on a thread pool before adding the request, so the engine thread
+        never waits for a compile. Raises ValueError (InvalidConstraint) for a bad spec."""
+        if params.structured is not None:
+            self.structured.compiler.compile(params.structured)
 
     def close(self) -> None:
         """Stop the follower ranks of a tensor-parallel engine (no-op otherwise)."""
@@ -152,12 +167,18 @@ class LLMEngine:
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
         t0 = time.perf_counter()
-        logits = self.runner.logits(plan.chunks, layer_hook, tp_extra)
+        forward = self.runner.forward(plan.chunks, layer_hook, tp_extra)
+        logits = forward.logits
         if self.tiers is not None:  # prefill speed: the "recompute" side of load-or-recompute
             self.tiers.observe_forward(plan.chunks, logits, t0)
+        if forward.prompt_logits is not None:
+            self._score_prompts(plan.chunks, forward.prompt_logits)
         rows, owners = self._sampling_rows(plan.chunks)
         if not rows:
             return {}, {}
+        masks = self.structured.bitmask(plan.chunks, self.scheduler.requests)
+        if masks is not None:  # before sampling and verification alike
+            apply_token_bitmask(logits, *masks)
         if self.spec is not None and any(c.spec_token_ids for c in plan.chunks):
             return self.spec.sample(self.runner.sampler, plan.chunks, logits, rows)
         out = self.runner.sample(logits, rows)
@@ -174,6 +195,7 @@ class LLMEngine:
         for rid, tokens in sampled.items():
             req = self.scheduler.requests[rid]
             kept, reason = apply_stop_rules(req, tokens, self.eos_token_ids, self.max_model_len)
+            kept, reason = self._grammar_rules(req, kept, reason)
             sampled[rid] = kept
             if reason:
                 reasons[rid] = reason
@@ -182,12 +204,21 @@ class LLMEngine:
         for req in touched:
             rid = req.request_id
             new = sampled[rid]
-            reason = reasons.get(rid)
+            reason = reasons.pop(rid, None)
             if reason:
                 self.scheduler.finish(rid, RequestStatus(reason))
+            first = len(req.output_token_ids) == len(new)
             outputs.append(StepOutput(
                 rid, new, logprobs[rid][:len(new)], reason, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), len(req.output_token_ids)))
+                max(req.num_cached_tokens, 0), len(req.output_token_ids),
+                list(req.prompt_logprobs) if first and req.params.prompt_logprobs is not None
+                else None))
+        for rid, reason in reasons.items():  # ended without a token (a grammar refused it)
+            req = self.scheduler.finish(rid, RequestStatus(reason))
+            if req is not None:
+                outputs.append(StepOutput(rid, [], [], reason, req.num_prompt_tokens,
+                                          max(req.num_cached_tokens, 0),
+                                          len(req.output_token_ids)))
         if self.spec is not None:
             self.spec.propose(self.scheduler)  # drafts for the next step
         self.demote_ahead(DEMOTE_AHEAD_PER_STEP)  # every step path ends here
@@ -212,6 +243,45 @@ class LLMEngine:
         if n and self.tp_driver is not None:
             self.tp_driver.flush_tier_ops()
         return n
+
+    def _grammar_rules(self, req: Request, kept: list[int], reason: str | None
+                       ) -> tuple[list[int], str | None]:
+        """Cut a constrained request's tokens where its grammar ends (finish "stop") or
+        refuses a token ("abort")."""
+        adv = self.structured.advance(req, kept)
+        if adv.reason is None:
+            return kept, reason
+        if adv.keep < len(kept) or reason is None or adv.reason == "abort":
+            return kept[:adv.keep], adv.reason
+        return kept, reason
+
+    def _score_prompts(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Prompt logprobs of the positions each chunk scored, appended to its request."""
+        at = 0
+        for c in chunks:
+            n = c.num_prompt_logits
+            if n == 0:
+                continue
+            rows, at = logits[at:at + n], at + n
+            req = self.scheduler.requests.get(c.request_id)
+            if req is None or req.params.prompt_logprobs is None:
+                continue
+            skip = len(req.prompt_logprobs) - c.start  # scored before a preemption
+            if skip < 0:
+                continue  # cannot happen without a prefix hit, which such requests skip
+            targets = req.prompt_token_ids[c.start + 1 + skip:c.start + 1 + n]
+            req.prompt_logprobs.extend(score_tokens(rows[skip:], targets,
+                                                    req.params.prompt_logprobs))
+
+    def _on_release(self, req: Request) -> None:
+        if req.status is not RequestStatus.WAITING:  # preempted requests keep their matcher
+            self.structured.release(req.request_id)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        from pdserve.tokenizer import Tokenizer
+
+        return GrammarCompiler(Tokenizer.from_pretrained(self.model_dir), self.vocab_size,
+                               self.eos_token_ids)
 
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk]
                        ) -> tuple[list[SamplingRow], list[str]]:

@@ -39,8 +39,8 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> list[int]:
         """Leading cached blocks for `req` (not taken). At least one token is left to compute,
         because the model must run on the last token to produce logits."""
-        if not self.pool.enable_caching:
-            return []
+        if not self.pool.enable_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt scoring needs the logits of every prompt position
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         bs = self.block_size

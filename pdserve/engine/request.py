@@ -55,6 +55,9 @@ class Request:
     tier_wait: frozenset[bytes] | None = None
     # Speculative tokens proposed for the next step (verified, then dropped or kept).
     spec_token_ids: list[int] = field(default_factory=list)
+    # With params.prompt_logprobs: TokenLogprobs of prompt tokens 1.. computed so far (the
+    # first prompt token has none); complete once the prompt's prefill is.
+    prompt_logprobs: list = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

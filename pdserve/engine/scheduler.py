@@ -52,6 +52,9 @@ class ScheduledChunk:
     block_ids: list[int]
     num_samples: int
     spec_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logits: int = 0
+    """Prompt scoring (`prompt_logprobs`): the logits of this many leading positions of the
+    chunk are wanted too (position p scores prompt token p + 1)."""
 
 
 @dataclass(frozen=True)
@@ -198,6 +201,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             num_samples=(1 + len(spec)) if done else 0,
             spec_token_ids=list(spec),
+            num_prompt_logits=_prompt_logits_wanted(req, start, n),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -238,3 +242,14 @@ class Scheduler:
 
     def iter_running(self) -> Iterable[Request]:
         return iter(self.running)
+
+
+def _prompt_logits_wanted(req: Request, start: int, n: int) -> int:
+    """Leading positions of chunk [start, start + n) whose logits score a prompt token not yet
+    scored: positions len(req.prompt_logprobs) .. num_prompt_tokens - 2 (the last prompt
+    position predicts the first output token, which the sampler handles)."""
+    if req.params.prompt_logprobs is None:
+        return 0
+    first = max(start, len(req.prompt_logprobs))
+    end = min(start + n, req.num_prompt_tokens - 1)
+    return max(0, end - start) if first < end else 0
