@@ -66,6 +66,8 @@ class DecodeService(WorkerServicerBase):
         rid = request.request_id
         try:
             params = params_from_pb(request.sampling)
+            # Off the engine thread and the event loop; the engine then hits the cache.
+            await asyncio.to_thread(self.loop.engine.compile_grammar, params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         ids = list(request.prompt_token_ids)
@@ -78,7 +80,8 @@ class DecodeService(WorkerServicerBase):
                 out: StepOutput = await stream.get()
                 if out.new_token_ids:
                     yield worker_pb.DecodeEvent(tokens=worker_pb.TokenBatch(
-                        token_ids=out.new_token_ids, logprobs=logprobs_to_pb(out.new_logprobs)))
+                        token_ids=out.new_token_ids, logprobs=logprobs_to_pb(out.new_logprobs),
+                        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs or [])))
                 if out.finished:
                     finished = True
                     error = self._failed.pop(rid, None)

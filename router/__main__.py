@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
-from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.model_config import ModelConfig, generation_eos_ids
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.proto import pb, pb_grpc
@@ -32,7 +32,7 @@ from pdserve.serving.worker_options import REDIS_URL_ENV
 from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
-from router.frontend import Frontend
+from router.frontend import FinishRules, Frontend
 from router.membership import Membership
 from router.openai import HttpConfig, OpenAIServer, ServedModel
 from router.pool import WorkerPool
@@ -81,7 +81,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
         model_id, max_len = served_model(cfg, model_cfg, infos)
     metrics = RouterMetrics()
-    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics)
+    rules = FinishRules(generation_eos_ids(cfg.model, model_cfg), max_len)
+    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
     service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,

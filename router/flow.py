@@ -48,6 +48,8 @@ class FlowError(Exception):
 class TokenEvent:
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    """With sampling.prompt_logprobs: on the first event, from whichever worker prefilled."""
 
 
 @dataclass
@@ -160,7 +162,7 @@ class Flow:
         timings.prefill_compute_s = resp.compute_s
         timings.prefill_cached_tokens = resp.cached_tokens
         lps = [resp.logprob] if resp.HasField("logprob") else []
-        return TokenEvent([resp.token_id], lps), p
+        return TokenEvent([resp.token_id], lps, list(resp.prompt_logprobs)), p
 
     async def _decode_events(self, events, d: WorkerHandle, watch: WorkerHandle | None
                              ) -> AsyncIterator[TokenEvent | FinishEvent]:
@@ -177,7 +179,8 @@ class Flow:
                 raise FlowError(grpc.StatusCode.UNAVAILABLE, "decode stream ended early")
             kind = ev.WhichOneof("event")
             if kind == "tokens":
-                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs))
+                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs),
+                                 list(ev.tokens.prompt_logprobs))
             elif kind == "finished":
                 f = ev.finished
                 yield FinishEvent(FINISH_FROM_PB.get(f.reason, "abort"), f.prompt_tokens,

@@ -1,16 +1,32 @@
 """What every public API shares once a request is validated: run the flow, turn tokens into
 text (stop strings included), account usage. gRPC (`service.py`) and OpenAI HTTP map these
 typed chunks onto their own wire formats.
+
+One choice's chunks:
+
+    token chunk ... token chunk ─ last token chunk (finish_reason + usage)
+                                └ or, when the end was not foreseeable, an empty final chunk
+
+The router applies the engine's token-level stop rules (`pdserve.engine.stop.stop_rules`)
+to every token it receives, so it knows a token is the last one as soon as it arrives: that
+chunk waits only for the decode worker's `finished` event (sent in the same step) and carries
+the finish reason with the text, as OpenAI clients expect. Several choices (`n`, a batch of
+prompts) run side by side and their chunks interleave, each tagged with its `index`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import random
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from pdserve.engine.sampler import choice_seed
+from pdserve.engine.stop import stop_rules
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
@@ -32,21 +48,61 @@ class Usage:
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """New tokens and text; `finish_reason` and `usage` are set on the last chunk only."""
+    """New tokens and text of one choice; `finish_reason` and `usage` are set on its last
+    chunk only."""
 
     token_ids: list[int]
     text: str
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: Usage | None = None
+    index: int = 0
+    """The choice (0 .. choices-1): prompt i, sample j of n is choice i * n + j."""
+    prompt_logprobs: list[pb.TokenLogprob] | None = None
+    """On a choice's first chunk, when prompt logprobs were asked."""
+
+
+class UsageTotal:
+    """Usage of a request with several choices: each prompt counted once (its cache hit as
+    the least any of its choices had: what sharing among the choices saved is not a hit),
+    completion tokens summed over every choice."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._prompts: dict[int, Usage] = {}
+        self._completion = 0
+        self.finished = 0
+
+    def add(self, u: Usage, index: int) -> None:
+        """The final usage of choice `index` (sample index % n of prompt index // n)."""
+        self.finished += 1
+        self._completion += u.completion_tokens
+        seen = self._prompts.get(index // self.n)
+        if seen is None or u.cached_tokens < seen.cached_tokens:
+            self._prompts[index // self.n] = u
+
+    def total(self) -> Usage:
+        return Usage(sum(u.prompt_tokens for u in self._prompts.values()), self._completion,
+                     sum(u.cached_tokens for u in self._prompts.values()))
+
+
+@dataclass(frozen=True)
+class FinishRules:
+    """What the engine stops on, so the router knows a request's last token on arrival."""
+
+    eos_token_ids: frozenset[int]
+    max_model_len: int
 
 
 class Frontend:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, prefill: WorkerPool,
-                 decode: WorkerPool, metrics: RouterMetrics | None = None) -> None:
+                 decode: WorkerPool, metrics: RouterMetrics | None = None,
+                 rules: FinishRules | None = None) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
+        self.rules = rules
+        self._rng = random.Random(uuid.uuid4().int)
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
                          random.Random(uuid.uuid4().int), config.routing)
         counters = self.flow.counters  # the dict the flow increments in place
@@ -57,34 +113,77 @@ class Frontend:
     def saturated(self) -> bool:
         return self.inflight >= self.config.max_inflight
 
-    async def generate(self, req: ValidRequest, timeout_s: float | None
+    async def generate_choices(self, reqs: Sequence[ValidRequest], n: int,
+                               timeout_s: float | None) -> AsyncIterator[OutputChunk]:
+        """Stream `n` choices of each request (prompt), interleaved, tagged with `index`;
+        raises `FlowError`. Choice j of a request samples with `choice_seed(seed, j)`: seeded
+        requests are reproducible and their choices distinct.
+
+        The choices run as separate flows, each prefilling the prompt (its blocks are mostly
+        shared through the prefix cache); the decode-side fork of one prefill replaces this
+        fan-out without changing the interface."""
+        if len(reqs) == 1 and n == 1:
+            async with aclosing(self.generate(reqs[0], timeout_s)) as chunks:
+                async for c in chunks:
+                    yield c
+            return
+        jobs = []
+        for i, req in enumerate(reqs):
+            base = req.params.seed if req.params.seed is not None else self._rng.getrandbits(63)
+            for j in range(n):
+                params = dataclasses.replace(req.params, seed=choice_seed(base, j))
+                jobs.append((i * n + j, dataclasses.replace(req, params=params)))
+        async with aclosing(_merge([self.generate(r, timeout_s, index)
+                                    for index, r in jobs])) as chunks:
+            async for c in chunks:
+                yield c
+
+    async def generate(self, req: ValidRequest, timeout_s: float | None, index: int = 0
                        ) -> AsyncIterator[OutputChunk]:
-        """Stream one request's output; raises `FlowError` with the status to return."""
+        """Stream one choice's output; raises `FlowError` with the status to return."""
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"  # unique on the workers
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         p = req.params
         text = TextStream(self.tokenizer, req.prompt_token_ids, p.stop,
-                          p.include_stop_str_in_output)
+                          p.include_stop_str_in_output, req.skip_special_tokens)
         want_lp = p.logprobs is not None
         n_prompt, sent = len(req.prompt_token_ids), 0
+        held: OutputChunk | None = None  # the foreseen last chunk, waiting for `finished`
+        timings = FlowTimings()
         # The workers know the request by `rid`; its prefix is the client's id, when given.
         trace = self.metrics.trace(rid, n_prompt, log)
         self.inflight += 1
         try:
-            async for ev in self.flow.run(rid, req, timeout, FlowTimings()):
+            async for ev in self.flow.run(rid, req, timeout, timings):
                 if isinstance(ev, TokenEvent):
+                    if held is not None:  # rules disagreed with the worker's: not the end
+                        yield held
+                        held = None
+                    last = self._ends(p, n_prompt, sent, ev.token_ids)
                     sent += len(ev.token_ids)
                     trace.on_tokens(len(ev.token_ids))
-                    delta = text.add(ev.token_ids)
-                    yield OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [])
+                    delta = text.add(ev.token_ids, final=last)
+                    chunk = OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [],
+                                        index=index,
+                                        prompt_logprobs=ev.prompt_logprobs or None)
                     if delta.stopped:
-                        trace.finish("OK")  # before the yield: the caller may stop reading
-                        yield OutputChunk([], "", [], "stop", Usage(n_prompt, sent, 0))
+                        cached = timings.prefill_cached_tokens if timings.prefill_remote else 0
+                        trace.finish("OK", cached)  # before the yield: the caller may stop
+                        yield dataclasses.replace(chunk, finish_reason="stop",
+                                                  usage=Usage(n_prompt, sent, cached))
                         return
+                    if last:
+                        held = chunk
+                    else:
+                        yield chunk
                 elif isinstance(ev, FinishEvent):
                     trace.finish("OK", ev.cached_tokens)
-                    yield OutputChunk([], text.finish().text, [], ev.reason,
-                                      Usage(n_prompt, sent, ev.cached_tokens))
+                    usage = Usage(n_prompt, sent, ev.cached_tokens)
+                    tail = text.finish().text
+                    if held is None:
+                        held = OutputChunk([], "", [], index=index)
+                    yield dataclasses.replace(held, text=held.text + tail,
+                                              finish_reason=ev.reason, usage=usage)
                     return
             trace.finish("INTERNAL")  # the flow always ends with a finish event or an error
         except BaseException as exc:
@@ -92,3 +191,45 @@ class Frontend:
             raise
         finally:
             self.inflight -= 1
+
+    def _ends(self, p, n_prompt: int, n_output: int, tokens: list[int]) -> bool:
+        """Whether the engine's stop rules end the request with these tokens."""
+        if self.rules is None:
+            return False
+        _, reason = stop_rules(p, n_prompt, n_output, tokens, self.rules.eos_token_ids,
+                               self.rules.max_model_len)
+        return reason is not None
+
+
+async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[OutputChunk]:
+    """Interleave several choices' chunks in arrival order. The first error ends it all;
+    leaving early (or an error) closes every stream, which cancels its flow."""
+    queue: asyncio.Queue = asyncio.Queue()
+    _END = object()
+
+    async def pump(stream: AsyncIterator[OutputChunk]) -> None:
+        try:
+            async with aclosing(stream) as chunks:
+                async for c in chunks:
+                    queue.put_nowait(c)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, which raises it
+            queue.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

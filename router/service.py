@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -10,10 +11,12 @@ import grpc
 
 from pdserve.proto import pb, pb_grpc
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk
+from router.frontend import Frontend, OutputChunk, UsageTotal
 from router.validation import validate
 
 log = logging.getLogger(__name__)
+MAX_CHOICES = 128
+"""Most outputs (`n`) one request may ask for."""
 
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
            "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
@@ -41,8 +44,18 @@ class PDServeService(pb_grpc.PDServeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"router has {self.frontend.inflight} requests in flight")
         public_id = req.request_id or uuid.uuid4().hex
+        n = max(1, request.n)
+        if n > MAX_CHOICES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"n must be at most {MAX_CHOICES}, got {n}")
+        usage = UsageTotal(n)
         try:
-            async for chunk in self.frontend.generate(req, context.time_remaining()):
+            async for chunk in self.frontend.generate_choices([req], n,
+                                                              context.time_remaining()):
+                if chunk.usage is not None:  # the request's last message carries the total
+                    usage.add(chunk.usage, chunk.index)
+                    total = usage.total() if usage.finished == n else None
+                    chunk = dataclasses.replace(chunk, usage=total)
                 yield _to_pb(public_id, chunk)
         except FlowError as exc:
             await context.abort(exc.code, str(exc))
@@ -53,7 +66,8 @@ class PDServeService(pb_grpc.PDServeServicer):
 
 def _to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason])
+                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason],
+                              index=c.index, prompt_logprobs=c.prompt_logprobs or [])
     if c.usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,
                                     completion_tokens=c.usage.completion_tokens,

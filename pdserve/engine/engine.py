@@ -6,7 +6,6 @@ offline use. A `layer_hook` passed to `step()` runs after each layer's KV is wri
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import time
@@ -22,7 +21,7 @@ from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig, parse_dtype
+from pdserve.engine.model_config import ModelConfig, generation_eos_ids, parse_dtype
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
@@ -55,7 +54,7 @@ class LLMEngine:
         self.dtype = _resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 32768)
-        self.eos_token_ids = frozenset(_eos_ids(self.model_dir, self.model_config))
+        self.eos_token_ids = generation_eos_ids(self.model_dir, self.model_config)
         self.tp_driver = None
         if config.tensor_parallel_size > 1 and tp.size == 1:
             from pdserve.engine.tp.driver import TPDriver, check_divisible
@@ -375,11 +374,3 @@ def _resolve_dtype(name: str, cfg: ModelConfig) -> torch.dtype:
         except ValueError:
             return torch.float32
     return parse_dtype(name)
-
-def _eos_ids(model_dir: Path, cfg: ModelConfig) -> set[int]:
-    ids = set(cfg.eos_token_ids)
-    gen = model_dir / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return ids

@@ -81,6 +81,8 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]
     """Top-n (token_id, logprob), descending; empty when the row asked for n == 0."""
+    rank: int | None = None
+    """Prompt scoring: 1 + how many tokens were more likely (None for sampled tokens)."""
 
 
 @dataclass(frozen=True)
@@ -448,11 +450,15 @@ def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int
     for lo in range(0, len(token_ids), _SCORE_ROWS):
         lp = torch.log_softmax(logits[lo:lo + _SCORE_ROWS].float(), dim=-1)
         ids = torch.tensor(list(token_ids[lo:lo + _SCORE_ROWS]), device=lp.device)
-        chosen = lp.gather(1, ids.unsqueeze(1)).squeeze(1).tolist()
+        chosen_t = lp.gather(1, ids.unsqueeze(1))
+        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
         k = min(top_n, lp.shape[1])
         vals, tops = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-        for tid, c, v, t in zip(ids.tolist(), chosen, vals.tolist(), tops.tolist(), strict=True):
-            out.append(TokenLogprobs(token_id=tid, logprob=c, top=tuple(zip(t, v, strict=True))))
+        for tid, c, v, t, r in zip(ids.tolist(), chosen, vals.tolist(), tops.tolist(), ranks,
+                                   strict=True):
+            out.append(TokenLogprobs(token_id=tid, logprob=c, top=tuple(zip(t, v, strict=True)),
+                                     rank=r))
     return out
 
 

@@ -10,10 +10,13 @@ as a 500, anything unexpected.
     GET  /v1/models[/{model}]
     POST /v1/completions
     POST /v1/chat/completions
+    POST /tokenize, /detokenize  vLLM's tokenizer endpoints (info.py)
+    GET  /version, /load, /ping, /tokenizer_info;  POST /invocations (SageMaker)
 """
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from collections.abc import Callable, Sequence
@@ -23,7 +26,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.frontend import Frontend
-from router.openai import chat, completions, sse
+from router.openai import chat, completions, info, sse
 from router.openai.errors import (
     ApiError,
     RequestError,
@@ -33,13 +36,24 @@ from router.openai.errors import (
 )
 from router.openai.generation import ApiContext
 from router.openai.responses import model_json, models_json
-from router.openai.schemas import ServedModel
+from router.openai.schemas import IgnoredFields, ServedModel
+from router.openai.tools import ToolConfig
 
 log = logging.getLogger(__name__)
 
 # Operational endpoints stay open like /health: metrics hold counts and latencies, never
 # request content, and scrapers are configured without the API's tokens.
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """vLLM's server flags that change what the OpenAI API answers."""
+
+    tools: ToolConfig = ToolConfig()
+    """--tool-call-parser / --enable-auto-tool-choice."""
+    prompt_tokens_details: bool = False
+    """--enable-prompt-tokens-details: usage reports cached prompt tokens."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +69,11 @@ class HttpConfig:
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
-                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None
-                 ) -> None:
-        self.ctx = ApiContext(frontend, model)
+                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None,
+                 options: ApiOptions | None = None) -> None:
+        options = options or ApiOptions()
+        self.ctx = ApiContext(frontend, model, options.tools, IgnoredFields(log),
+                              options.prompt_tokens_details)
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
@@ -75,7 +91,19 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        self._add_vllm_routes(app)
         return app
+
+    def _add_vllm_routes(self, app: web.Application) -> None:
+        for method, path, fn in (("POST", "/tokenize", info.tokenize),
+                                 ("POST", "/detokenize", info.detokenize),
+                                 ("GET", "/tokenizer_info", info.tokenizer_info),
+                                 ("POST", "/invocations", info.invocations)):
+            app.router.add_route(method, path, functools.partial(fn, ctx=self.ctx))
+        app.router.add_get("/load", self._load)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/ping", self._health)
+        app.router.add_post("/ping", self._health)
 
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -103,6 +131,12 @@ class OpenAIServer:
         ok = self.healthy()
         return web.json_response({"status": "ok" if ok else "unavailable"},
                                  status=200 if ok else 503)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": info.version()})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return info.load(self.ctx)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None

@@ -54,12 +54,14 @@ class DecodeReady(_message.Message):
     def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
     __slots__ = ("reason", "prompt_tokens", "completion_tokens", "cached_tokens")
@@ -110,20 +112,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "cached_tokens", "kv_bytes", "queue_s", "compute_s")
+    __slots__ = ("token_id", "logprob", "cached_tokens", "kv_bytes", "queue_s", "compute_s", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _pdserve_pb2.TokenLogprob
     cached_tokens: int
     kv_bytes: int
     queue_s: float
     compute_s: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
