@@ -35,6 +35,9 @@ from router.config import RouterConfig
 from router.frontend import FinishRules, Frontend
 from router.membership import Membership
 from router.openai import HttpConfig, OpenAIServer, ServedModel
+from router.openai.server import ApiOptions
+from router.openai.tool_parsers import PARSERS
+from router.openai.tools import ToolConfig
 from router.pool import WorkerPool
 from router.service import PDServeService
 
@@ -63,7 +66,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     index = await open_index(cfg.redis_url)
-    tokenizer = Tokenizer.from_pretrained(cfg.model)
+    tokenizer = Tokenizer.from_pretrained(cfg.model, cfg.chat_template or None)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     prefill, decode = make_pools(cfg, index)
     await asyncio.gather(prefill.start(), decode.start())
@@ -93,7 +96,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
              "discovery": cfg.discover}
     http = None
     if http_cfg is not None:
-        served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()))
+        served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
+                             root=cfg.model, aliases=cfg.model_aliases)
         http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
                             metrics=metrics.registry)
         ready["http_address"] = await http.start()
@@ -141,7 +145,20 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="comma-separated host:port list (none with --redis: discovery mode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--model-id", default="")
+    p.add_argument("--served-model-name", "--model-id", dest="model_id", nargs="+",
+                   default=[], metavar="NAME",
+                   help="the model's name in requests and responses (more names: aliases); "
+                        "default: the workers' (the checkpoint directory's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool calls are found in the model's output with tool_choice "
+                        "auto: hermes (<tool_call> JSON, Qwen2.5 / SmolLM2) or llama3_json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (needs --tool-call-parser)')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
                    help="worker choice: KV-aware (default) or round-robin (a baseline)")
@@ -165,14 +182,32 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--discover-wait must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
+    api = ApiOptions(ToolConfig(a.tool_call_parser, a.enable_auto_tool_choice),
+                     a.enable_prompt_tokens_details)
     http = None if a.http_port == -1 else HttpConfig(
-        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens)
+        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens, api=api)
     return RouterConfig(
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
-        model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
+        model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
+        chat_template=read_chat_template(a.chat_template),
+        local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis,
         discovery_wait_s=a.discover_wait), http
+
+
+def read_chat_template(value: str | None) -> str:
+    """vLLM's --chat-template: a file's contents, else the value itself as a template."""
+    if not value:
+        return ""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"router: --chat-template {value!r} is neither a file nor a template")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,10 @@ class RouterConfig:
     port: int = 50051
     model_id: str = ""
     """Name served in ListModels (default: the checkpoint directory's name)."""
+    model_aliases: tuple[str, ...] = ()
+    """More names the OpenAI API accepts for the model (vLLM's --served-model-name A B)."""
+    chat_template: str = ""
+    """A chat template (jinja text) replacing the model's own ("" = the model's)."""
     routing: str = "kv"
     """kv (KV-aware, the default) or round-robin (a baseline for comparison)."""
     local_prefill_tokens: int = 32

@@ -94,7 +94,7 @@ def load(ctx: ApiContext) -> web.Response:
 
 def _check_model(body: dict[str, Any], ctx: ApiContext) -> None:
     name = body.get("model")
-    if name is not None and name != ctx.model.id:
+    if name is not None and name not in ctx.model.names:
         raise model_not_found(str(name), ctx.model.id)
 
 

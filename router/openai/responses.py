@@ -37,14 +37,14 @@ def usage_json(u: Usage, details: bool = False) -> dict:
     return out
 
 
-def model_json(m: ServedModel) -> dict:
-    return {"id": m.id, "object": "model", "created": m.created, "owned_by": "pdserve",
+def model_json(m: ServedModel, name: str | None = None) -> dict:
+    return {"id": name or m.id, "object": "model", "created": m.created, "owned_by": "pdserve",
             "root": m.root or m.id, "parent": None, "max_model_len": m.max_model_len,
             "permission": []}
 
 
 def models_json(m: ServedModel) -> dict:
-    return {"object": "list", "data": [model_json(m)]}
+    return {"object": "list", "data": [model_json(m, name) for name in m.names]}
 
 
 def completion_logprobs(lps: Sequence[pb.TokenLogprob], text_of: TokenText, offset: int,

@@ -74,6 +74,12 @@ class ServedModel:
     """Unix time the router started (the `created` of /v1/models)."""
     root: str = ""
     """The checkpoint the model was loaded from (/v1/models `root`)."""
+    aliases: tuple[str, ...] = ()
+    """Other names requests may use (vLLM's --served-model-name A B ...)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.id, *self.aliases)
 
 
 class IgnoredFields:
@@ -280,7 +286,7 @@ def _check_model(fields: dict[str, Any], model: ServedModel) -> None:
     name = fields.get("model", model.id)
     if not isinstance(name, str):
         raise RequestError("model must be a string", "model")
-    if name != model.id:
+    if name not in model.names:
         raise model_not_found(name, model.id)
     if "user" in fields and not isinstance(fields["user"], str):
         raise RequestError("user must be a string", "user")

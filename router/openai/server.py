@@ -65,15 +65,16 @@ class HttpConfig:
     """Larger request bodies are refused with 413."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted (empty = no auth); the router passes the gRPC API's tokens."""
+    api: ApiOptions = ApiOptions()
+    """What the API answers (vLLM's server flags)."""
 
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
-                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None,
-                 options: ApiOptions | None = None) -> None:
-        options = options or ApiOptions()
-        self.ctx = ApiContext(frontend, model, options.tools, IgnoredFields(log),
-                              options.prompt_tokens_details)
+                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None
+                 ) -> None:
+        self.ctx = ApiContext(frontend, model, config.api.tools, IgnoredFields(log),
+                              config.api.prompt_tokens_details)
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
@@ -148,9 +149,9 @@ class OpenAIServer:
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.ctx.model.id:
+        if name not in self.ctx.model.names:
             raise model_not_found(name, self.ctx.model.id)
-        return web.json_response(model_json(self.ctx.model), dumps=sse.dumps)
+        return web.json_response(model_json(self.ctx.model, name), dumps=sse.dumps)
 
 
 @web.middleware
