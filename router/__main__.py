@@ -25,6 +25,7 @@ from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_inde
 from pdserve.engine.model_config import ModelConfig, generation_eos_ids
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
+from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
@@ -83,7 +84,9 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
         model_id, max_len = served_model(cfg, model_cfg, infos)
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(model_name=model_id)
+    metrics.registry.register(ClusterCollector(
+        model_id, lambda: cluster_state(metrics, prefill, decode)))
     rules = FinishRules(generation_eos_ids(cfg.model, model_cfg), max_len)
     frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
     service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
@@ -99,7 +102,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
                              root=cfg.model, aliases=cfg.model_aliases)
         http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
-                            metrics=metrics.registry)
+                            metrics=metrics.registry,
+                            before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
@@ -115,6 +119,21 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
             await index.close()
 
     await wait_for_signal(cleanup)
+
+
+def cluster_state(metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool
+                  ) -> ClusterState:
+    """vLLM's engine-state figures for the whole cluster: requests from the router's own
+    count (exact, live), KV usage of the decode pool, cache counters of every worker."""
+    p, d = prefill.totals(), decode.totals()
+    return ClusterState(metrics.running, metrics.waiting, d.kv_blocks_used, d.kv_blocks_total,
+                        p.prefix_cache_queries + d.prefix_cache_queries,
+                        p.prefix_cache_hits + d.prefix_cache_hits,
+                        p.preemptions + d.preemptions, d.block_size)
+
+
+async def refresh_pools(*pools: WorkerPool) -> None:
+    await asyncio.gather(*(pool.refresh_stats() for pool in pools))
 
 
 def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, WorkerPool]:

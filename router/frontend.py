@@ -133,14 +133,15 @@ class Frontend:
             for j in range(n):
                 params = dataclasses.replace(req.params, seed=choice_seed(base, j))
                 jobs.append((i * n + j, dataclasses.replace(req, params=params)))
-        async with aclosing(_merge([self.generate(r, timeout_s, index)
+        async with aclosing(_merge([self.generate(r, timeout_s, index, n)
                                     for index, r in jobs])) as chunks:
             async for c in chunks:
                 yield c
 
-    async def generate(self, req: ValidRequest, timeout_s: float | None, index: int = 0
-                       ) -> AsyncIterator[OutputChunk]:
-        """Stream one choice's output; raises `FlowError` with the status to return."""
+    async def generate(self, req: ValidRequest, timeout_s: float | None, index: int = 0,
+                       choices: int = 1) -> AsyncIterator[OutputChunk]:
+        """Stream one choice's output (`index` of `choices` for the prompt); raises
+        `FlowError` with the status to return."""
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"  # unique on the workers
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         p = req.params
@@ -151,7 +152,7 @@ class Frontend:
         held: OutputChunk | None = None  # the foreseen last chunk, waiting for `finished`
         timings = FlowTimings()
         # The workers know the request by `rid`; its prefix is the client's id, when given.
-        trace = self.metrics.trace(rid, n_prompt, log)
+        trace = self.metrics.trace(rid, n_prompt, log, n=choices, max_tokens=p.max_tokens)
         self.inflight += 1
         try:
             async for ev in self.flow.run(rid, req, timeout, timings):
@@ -168,7 +169,8 @@ class Frontend:
                                         prompt_logprobs=ev.prompt_logprobs or None)
                     if delta.stopped:
                         cached = timings.prefill_cached_tokens if timings.prefill_remote else 0
-                        trace.finish("OK", cached)  # before the yield: the caller may stop
+                        trace.finish("OK", cached, "stop",  # before the yield: the caller
+                                     timings.prefill_compute_s)  # may stop reading
                         yield dataclasses.replace(chunk, finish_reason="stop",
                                                   usage=Usage(n_prompt, sent, cached))
                         return
@@ -177,7 +179,7 @@ class Frontend:
                     else:
                         yield chunk
                 elif isinstance(ev, FinishEvent):
-                    trace.finish("OK", ev.cached_tokens)
+                    trace.finish("OK", ev.cached_tokens, ev.reason, timings.prefill_compute_s)
                     usage = Usage(n_prompt, sent, ev.cached_tokens)
                     tail = text.finish().text
                     if held is None:

@@ -318,6 +318,9 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_cached": self.pool.num_cached,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
             **(self.spec.stats() if self.spec is not None else spec_stats_off()),
             **(self.tiers.stats() if self.tiers is not None else tier_stats_off()),
         }

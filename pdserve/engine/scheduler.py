@@ -78,6 +78,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._release_listeners: list[Callable[[Request], None]] = []
+        # Cumulative counts for metrics: prompt tokens looked up in / found in the prefix
+        # cache at first admission, and preemptions.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
 
     def add_release_listener(self, fn: Callable[[Request], None]) -> None:
         """Call `fn(req)` whenever a request gives its blocks back: finished (any reason) or
@@ -164,6 +169,8 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._chunk(req, n))
@@ -211,6 +218,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.tier_wait = None  # its blocks may have moved down meanwhile: stage again
         self.waiting.appendleft(req)
         for fn in self._release_listeners:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -71,13 +71,14 @@ class HttpConfig:
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
-                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None
-                 ) -> None:
+                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None,
+                 before_scrape: Callable[[], Awaitable[None]] | None = None) -> None:
         self.ctx = ApiContext(frontend, model, config.api.tools, IgnoredFields(log),
                               config.api.prompt_tokens_details)
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
+        self.before_scrape = before_scrape  # refreshes what the collectors read
         self._runner: web.AppRunner | None = None
         self.address = ""
         """host:port once started."""
@@ -141,6 +142,8 @@ class OpenAIServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
+        if self.before_scrape is not None:
+            await self.before_scrape()
         return web.Response(body=generate_latest(self.metrics),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
