@@ -23,13 +23,16 @@ from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.engine.model_config import ModelConfig, generation_eos_ids
+from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
+from pdserve.serving.security import ClientSecurity, TLSError
+from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
-from pdserve.serving.worker_options import REDIS_URL_ENV
+from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
 from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
@@ -49,7 +52,7 @@ log = logging.getLogger("router")
 ENGINE_MAX_LEN_CAP = 32768
 
 
-async def open_index(redis_url: str) -> KVIndex | None:
+async def open_index(redis_url: str, redis_ca: str = "") -> KVIndex | None:
     """The started Redis KV index to follow (None without a URL); bad credentials end the
     process with a message that hides the password."""
     if not redis_url:
@@ -57,7 +60,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
     from kv_store.index.redis_common import check_url, masked_url  # redis only when used
 
     try:
-        index = create_index(check_url(redis_url), follow=True)
+        index = create_index(check_url(redis_url), follow=True, tls_ca=redis_ca)
         await index.start()
     except KVIndexConfigError as exc:
         raise SystemExit(f"router: --redis: {exc}") from None
@@ -66,7 +69,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
 
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
-    index = await open_index(cfg.redis_url)
+    index = await open_index(cfg.redis_url, cfg.redis_ca)
     tokenizer = Tokenizer.from_pretrained(cfg.model, cfg.chat_template or None)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     prefill, decode = make_pools(cfg, index)
@@ -94,21 +97,30 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
-                                interceptors=interceptors)
+                                tls=cfg.tls, interceptors=interceptors)
     ready = {"role": "router", "address": f"{cfg.host}:{server.port}",
              "discovery": cfg.discover}
+    metrics_server = None
+    if cfg.metrics_port >= 0:  # a /metrics of its own, off the API's port
+        metrics_server = MetricsServer(
+            cfg.metrics_host or cfg.host, cfg.metrics_port, metrics.registry,
+            cfg.tls.ssl_context() if cfg.tls is not None else None,
+            cfg.metrics_tokens or cfg.auth_tokens)
+        ready["metrics_address"] = metrics_server.address
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
                              root=cfg.model, aliases=cfg.model_aliases)
         http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
-                            metrics=metrics.registry,
+                            metrics=metrics.registry if metrics_server is None else None,
                             before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
     async def cleanup() -> None:
         await server.set_serving(False)
+        if metrics_server is not None:
+            metrics_server.close()
         if membership is not None:
             await membership.close()
         if http is not None:
@@ -141,7 +153,8 @@ def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, Wo
     # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
     prefix = index.prefix if index is not None else PrefixIndex()
     prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
-                                  prefix, events_from_stats=index is None)
+                                  prefix, events_from_stats=index is None,
+                                  security=cfg.internal)
                        for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
     return prefill, decode
 
@@ -189,8 +202,17 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="follow the Redis KV index at URL for the workers' cached blocks "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV}); without "
                         "--prefill/--decode, also discover the workers from its registry")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve /metrics on a server of its own at --metrics-host:PORT "
+                        "(0 = any free port; default -1: on the HTTP API's port)")
+    security_args.add_metrics_args(p)
+    security_args.add_tls_args(p)
+    security_args.add_internal_tls_args(p)
+    security_args.add_secret_args(p)
     a = p.parse_args(argv)
     prefill = tuple(x for x in a.prefill.split(",") if x)
     decode = tuple(x for x in a.decode.split(",") if x)
@@ -201,20 +223,33 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--discover-wait must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
+    if a.metrics_port < -1 or a.metrics_port > 65535:
+        p.error("--metrics-port must be -1 (on the HTTP port), 0 (any free port) or a port")
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
+    try:
+        tls = security_args.server_tls(a)
+        internal = ClientSecurity(security_args.internal_client_tls(a),
+                                  security_args.cluster_secret(a))
+        metrics_tokens = security_args.metrics_tokens(a)
+    except (TLSError, ValueError) as exc:
+        p.error(str(exc))
     api = ApiOptions(ToolConfig(a.tool_call_parser, a.enable_auto_tool_choice),
                      a.enable_prompt_tokens_details)
     http = None if a.http_port == -1 else HttpConfig(
-        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens, api=api)
+        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens,
+        metrics_tokens=metrics_tokens,
+        ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
         chat_template=read_chat_template(a.chat_template),
         local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
-        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis,
-        discovery_wait_s=a.discover_wait), http
+        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
+        discovery_wait_s=a.discover_wait, tls=tls, internal=internal,
+        metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        metrics_tokens=metrics_tokens), http
 
 
 def read_chat_template(value: str | None) -> str:

@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.serving.security import ClientSecurity, InternalSecurity
+from pdserve.serving.security import args as security_args
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where `--redis` defaults from: a URL with a password is better kept out of command lines
 (visible to every local user in the process table)."""
+REDIS_CA_ENV = "PDSERVE_REDIS_CA"
+"""Where `--redis-ca` defaults from: the CA of a `rediss://` server."""
 
 
 @dataclass(frozen=True)
@@ -30,12 +34,19 @@ class WorkerOptions:
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
     metrics_port: int = 0
-    """Port of the Prometheus `/metrics` server, bound to `host` (0 = any free port, announced
-    as `metrics_address`; -1 = no metrics server)."""
+    """Port of the Prometheus `/metrics` server, bound to `metrics_host` (0 = any free port,
+    announced as `metrics_address`; -1 = no metrics server)."""
+    metrics_host: str = ""
+    """Bind address of `/metrics` ("" = `host`)."""
     redis_url: str = field(default="", repr=False)
     """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
     under its gRPC address and publishes its prefix-cache changes ("" = none: the router
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
+    redis_ca: str = ""
+    """PEM CA file of a `rediss://` server ("" = the system's roots)."""
+    security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
+                                       hash=False)
+    """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -61,6 +72,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    action="store_false", help="the same as --no-enable-prefix-caching")
     p.add_argument("--attention-backend", default="auto", help="torch, triton or auto")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: each TP rank holds whole experts instead of a slice of "
+                        "every expert")
     p.add_argument("--kv-host-gb", type=float, default=0.0,
                    help="host-memory KV tier, GiB (0 = off)")
     p.add_argument("--kv-ssd-dir", default=None,
@@ -72,6 +86,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
+    security_args.add_tls_args(p, server_name=True)
+    security_args.add_secret_args(p)
+    security_args.add_metrics_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
@@ -120,11 +139,24 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         attention_backend=a.attention_backend, quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec,
         model_id=a.model_id[0] if a.model_id else "",
-        tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
+        tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
+        kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
-                         metrics_port=a.metrics_port, redis_url=a.redis)
+                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+                         redis_url=a.redis, redis_ca=a.redis_ca,
+                         security=security_from_args(a))
+
+
+def security_from_args(a: argparse.Namespace) -> InternalSecurity:
+    """The worker's internal plane from its TLS, secret and metrics flags (`ValueError`
+    naming the flag or file when they cannot work)."""
+    secret = security_args.cluster_secret(a)
+    return InternalSecurity(
+        tls=security_args.server_tls(a),
+        client=ClientSecurity(security_args.worker_client_tls(a), secret), secret=secret,
+        metrics_tokens=security_args.metrics_tokens(a))

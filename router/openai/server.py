@@ -19,12 +19,14 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
 from router.openai import chat, completions, info, sse
 from router.openai.errors import (
@@ -41,8 +43,8 @@ from router.openai.tools import ToolConfig
 
 log = logging.getLogger(__name__)
 
-# Operational endpoints stay open like /health: metrics hold counts and latencies, never
-# request content, and scrapers are configured without the API's tokens.
+# /health, /ping and /version stay open (probes); /metrics checks its own tokens
+# (`HttpConfig.metrics_tokens`).
 _OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
 
 
@@ -65,6 +67,10 @@ class HttpConfig:
     """Larger request bodies are refused with 413."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted (empty = no auth); the router passes the gRPC API's tokens."""
+    metrics_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens for `/metrics` (empty = `auth_tokens`: metrics follow the API's auth)."""
+    ssl_context: ssl.SSLContext | None = field(default=None, compare=False)
+    """TLS (None = plaintext HTTP); one that requires client certificates makes it mTLS."""
     api: ApiOptions = ApiOptions()
     """What the API answers (vLLM's server flags)."""
 
@@ -113,7 +119,8 @@ class OpenAIServer:
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
                                     shutdown_timeout=2.0)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
+        await web.TCPSite(self._runner, self.config.host, self.config.port,
+                          ssl_context=self.config.ssl_context).start()
         port = self._runner.addresses[0][1]
         self.address = f"{self.config.host}:{port}"
         return self.address
@@ -142,6 +149,9 @@ class OpenAIServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
+        if not bearer_ok(request.headers.get("Authorization"),
+                         self.config.metrics_tokens or self.config.auth_tokens):
+            raise unauthenticated()
         if self.before_scrape is not None:
             await self.before_scrape()
         return web.Response(body=generate_latest(self.metrics),
