@@ -92,7 +92,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         model_id, lambda: cluster_state(metrics, prefill, decode)))
     rules = FinishRules(generation_eos_ids(cfg.model, model_cfg), max_len)
     frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
-    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
+    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id,
+                             ToolConfig(cfg.tool_call_parser, cfg.enable_auto_tool_choice))
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
@@ -245,6 +246,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
         chat_template=read_chat_template(a.chat_template),
+        tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
         local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
         discovery_wait_s=a.discover_wait, tls=tls, internal=internal,

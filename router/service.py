@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 
@@ -11,21 +10,19 @@ import grpc
 
 from pdserve.proto import pb, pb_grpc
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk, UsageTotal
+from router.frontend import Frontend
+from router.grpc_chat import check_constraint, prepare_request, stream_choices
+from router.openai.tools import ToolConfig
 from router.validation import validate
 
 log = logging.getLogger(__name__)
-MAX_CHOICES = 128
-"""Most outputs (`n`) one request may ask for."""
-
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
 class PDServeService(pb_grpc.PDServeServicer):
     def __init__(self, frontend: Frontend, vocab_size: int, max_model_len: int,
-                 model_id: str) -> None:
+                 model_id: str, tools: ToolConfig | None = None) -> None:
         self.frontend = frontend
+        self.tools = tools or ToolConfig()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.model_id = model_id
@@ -36,40 +33,24 @@ class PDServeService(pb_grpc.PDServeServicer):
 
     async def Generate(self, request, context):
         try:
+            request, tools = await prepare_request(request, self.frontend.tokenizer,
+                                                   self.tools)
             req = validate(request, self.frontend.tokenizer, self.vocab_size,
                            self.max_model_len, self.model_id)
+            await check_constraint(req)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.frontend.saturated:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"router has {self.frontend.inflight} requests in flight")
         public_id = req.request_id or uuid.uuid4().hex
-        n = max(1, request.n)
-        if n > MAX_CHOICES:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"n must be at most {MAX_CHOICES}, got {n}")
-        usage = UsageTotal(n)
         try:
-            async for chunk in self.frontend.generate_choices([req], n,
-                                                              context.time_remaining()):
-                if chunk.usage is not None:  # the request's last message carries the total
-                    usage.add(chunk.usage, chunk.index)
-                    total = usage.total() if usage.finished == n else None
-                    chunk = dataclasses.replace(chunk, usage=total)
-                yield _to_pb(public_id, chunk)
+            async for msg in stream_choices(self.frontend, req, request.n, public_id, tools,
+                                            self.tools, context.time_remaining()):
+                yield msg
         except FlowError as exc:
             await context.abort(exc.code, str(exc))
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", public_id)
             raise
 
-
-def _to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason],
-                              index=c.index, prompt_logprobs=c.prompt_logprobs or [])
-    if c.usage is not None:
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,
-                                    completion_tokens=c.usage.completion_tokens,
-                                    cached_tokens=c.usage.cached_tokens))
-    return msg

@@ -346,3 +346,55 @@ def test_workers_are_idle_afterwards(cluster):
     assert not any(wait_idle(cluster).values())
     decode = next(c for c in cluster.children if c.info.get("role") == "decode")
     assert worker_stats(decode.info["address"]).counters["spec_drafts_proposed"] > 0
+
+
+# -- the same on gRPC, through the SDK ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sdk(cluster):
+    from pdserve.client import Client
+
+    with Client(cluster.address, max_retries=0, timeout=300) as client:
+        yield client
+
+
+def test_sdk_n_choices_logit_bias_and_prompt_logprobs(sdk, engine):
+    outs = sdk.generate_choices(LONG, n=3, seed=9, max_tokens=6, temperature=1.0,
+                                ignore_eos=True, prompt_logprobs=1)
+    assert [o.index for o in outs] == [0, 1, 2] and len({o.text for o in outs}) == 3
+    assert outs[0].usage.completion_tokens == 18
+    ref = engine.generate([LONG], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    got = [lp.logprob for lp in outs[0].prompt_logprobs]
+    assert got == pytest.approx([lp.logprob for lp in ref.prompt_logprobs], abs=1e-4)
+    forced = sdk.generate(SHORT, max_tokens=3, temperature=0, ignore_eos=True,
+                          logit_bias={42: 100.0})
+    assert forced.token_ids == [42, 42, 42]
+
+
+def test_sdk_structured_outputs_and_bad_ones(sdk):
+    from pdserve.client import InvalidArgument
+
+    out = sdk.generate(LONG, max_tokens=60, temperature=1.0, seed=4, json_schema=SCHEMA)
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert sdk.generate(SHORT, max_tokens=8, choice=["up", "down"]).text in ("up", "down")
+    with pytest.raises(InvalidArgument, match="regex"):
+        sdk.generate(SHORT, regex="[.*")
+
+
+def test_sdk_chat_with_a_required_tool(sdk):
+    from pdserve.client import Chat
+
+    chat = Chat(messages=[{"role": "user", "content": LONG}], tools=[WEATHER],
+                tool_choice="get_weather")
+    out = sdk.generate(chat, max_tokens=60, temperature=1.0, seed=1)
+    (call,) = out.tool_calls
+    assert call.name == "get_weather" and out.finish_reason == "stop"  # a named call
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    req = Chat(messages=[{"role": "user", "content": SHORT}], tools=[WEATHER],
+               tool_choice="required")
+    chunks = list(sdk.stream(req, max_tokens=100, temperature=1.0, seed=5))
+    assert chunks[-1].finish_reason in ("tool_calls", "length")
+    if chunks[-1].finish_reason == "tool_calls":
+        assert chunks[-1].tool_calls and all(c.name == "get_weather"
+                                             for c in chunks[-1].tool_calls)
