@@ -152,7 +152,8 @@ class ChoiceTools:
         parsed = stream.parser.parse(stream.text, final=True)
         calls = [pb.ToolCall(id=stream.ids[i] if i < len(stream.ids) else "",
                              name=call.name, arguments_json=normalised_arguments(call))
-                 for i, call in enumerate(parsed.calls) if call.name is not None]
+                 for i, call in enumerate(parsed.calls)
+                 if call.name is not None and call.complete]
         called = bool(calls) and self.choice.mode is not ToolMode.NAMED and \
             c.finish_reason == "stop"
         return content, calls, called

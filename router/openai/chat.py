@@ -9,6 +9,7 @@ back what may still open a call and turns calls into OpenAI's tool-call deltas.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 
@@ -136,14 +137,19 @@ class ChatShaper:
         calls: list[dict] = []
         if parser is not None:
             parsed = parser.parse(c.text, final=True)
+            # Only whole calls: arguments cut short by max_tokens are no call (as OpenAI).
             calls = [tool_call_json(call, call_id()) for call in parsed.calls
-                     if call.name is not None]
-            if calls:
+                     if call.name is not None and call.complete
+                     and _is_json(call.arguments)]
+            if self._req.tools.mode is not ToolMode.AUTO:
+                content = ""  # the output was the call, generated under its schema
+            elif calls:
                 text = self._echo + parsed.content
-                content = text if text.strip() else (
-                    "" if self._req.tools.mode is not ToolMode.AUTO else None)
+                content = text if text.strip() else None
         message = {"role": "assistant", "content": content, "refusal": None,
-                   "tool_calls": calls, "reasoning_content": None}
+                   "reasoning_content": None}
+        if calls:  # absent otherwise, as vLLM and OpenAI answer
+            message["tool_calls"] = calls
         finish = c.finish_reason
         if calls and self._req.tools.mode is not ToolMode.NAMED and finish == "stop":
             finish = "tool_calls"
@@ -175,3 +181,11 @@ class ChatShaper:
 
     def _lp(self, c: OutputChunk) -> dict | None:
         return chat_logprobs(c.logprobs, self._text_of) if self._req.logprobs else None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text or "{}")
+    except ValueError:
+        return False
+    return True

@@ -109,7 +109,8 @@ class NamedParser(ToolParser):
         self.name = name
 
     def parse(self, text: str, final: bool) -> Parsed:
-        return Parsed("", [Call(self.name, text.strip(), final)])
+        args = text.strip()
+        return Parsed("", [Call(self.name, args, final and _is_object(args))])
 
 
 def normalised_arguments(call: Call) -> str:
@@ -246,6 +247,13 @@ def _skip_space(text: str, i: int) -> int:
     while i < len(text) and text[i] in " \t\r\n":
         i += 1
     return i
+
+
+def _is_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def _loads(s: str) -> str:

@@ -171,7 +171,7 @@ def test_chat_body_shape_with_logprobs():
     assert body["object"] == "chat.completion"
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "he", "refusal": None,
-                                 "tool_calls": [], "reasoning_content": None}
+                                 "reasoning_content": None}
     assert choice["finish_reason"] == "length"
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["he"]
     assert body["usage"]["prompt_tokens"] == 4
@@ -189,7 +189,10 @@ def test_a_required_tool_call_becomes_tool_calls():
     (call,) = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
-    assert choice["finish_reason"] == "tool_calls"
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
+    cut = s.body([OutputChunk([5], out[:30], [], "length", Usage(1, 1, 0))], Usage(1, 1, 0))
+    assert "tool_calls" not in cut["choices"][0]["message"]  # cut short: no call
+    assert cut["choices"][0]["message"]["content"] == ""
 
 
 def test_a_named_tool_call_streams_its_arguments():
