@@ -93,8 +93,8 @@ class VllmRequestMetrics:
                                          "processed.", m, registry=r)
         self.success = Counter("vllm:request_success", "Finished requests, by finish "
                                "reason.", [LABEL, "finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort"):
-            self.success.labels(model_name, reason)  # present at 0: rate() works at once
+        # The success series appear with their first request (vLLM's dashboards sum them);
+        # the token counters are present at 0 from the start.
         self.prompt_tokens.labels(model_name)
         self.generation_tokens.labels(model_name)
 
