@@ -1,4 +1,4 @@
-"""`python -m decode_worker --model DIR [--host H] [--port P] [--kv-port K] [--redis URL]`
+"""`python -m decode_worker [--model PATH] [--host H] [--port P] [--kv-port K] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
 takes it into its decode pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves

@@ -1,6 +1,6 @@
 """The `pdserve` command: one entry point for every role.
 
-    pdserve up [MODEL | --model DIR] [--host H] [--port P] [--http-port P] [--prefill N]
+    pdserve up [MODEL | --model PATH] [--host H] [--port P] [--http-port P] [--prefill N]
                [--decode M] [--redis URL] [--tls auto] [vLLM's engine and server flags:
                --dtype, --max-model-len, --quantization, --served-model-name, ...]
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
@@ -8,6 +8,9 @@
     pdserve demo-model DIR
     pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
+
+PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
+--model every role serves the embedded default, SmolLM2-135M-Instruct (pdserve/default_model.py).
 
 With `--redis URL`, `pdserve up` starts the router in discovery mode: its pools follow the
 workers registered in Redis, so a worker started later joins the running cluster on its own,
@@ -41,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub.add_parser("up", help="start a local cluster"))
     _add_generate(sub.add_parser("generate", help="stream a completion"))
     _add_bench(sub.add_parser("bench", help="serving load generator (pdserve.loadgen)"))
-    demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
+    demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
     _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
@@ -64,8 +67,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     from pdserve.serving.worker_options import add_engine_args
 
     p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
-                   help="checkpoint dir, as vLLM takes it (the same as --model)")
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+                   help="the model, as vLLM takes it (the same as --model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct, prepared into the cache on first use)")
     p.add_argument("--host", default="127.0.0.1", help="address every server binds to")
     p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--http-port", type=int, default=8000,
@@ -139,13 +144,17 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pdserve.demo_model import ensure_demo_model
+    from pdserve.default_model import DefaultModelError, ensure_default_model
     from pdserve.launcher import ClusterSpec, LocalCluster
 
     if a.model and a.model_arg and a.model != a.model_arg:
         print("error: give the model once (MODEL or --model)", file=sys.stderr)
         return 2
-    model = a.model or a.model_arg or str(ensure_demo_model())
+    try:
+        model = a.model or a.model_arg or str(ensure_default_model())
+    except DefaultModelError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
     secret = ""
     if a.cluster_secret_file:
         from pdserve.serving.security import SecretError, load_cluster_secret

@@ -1,8 +1,9 @@
 """Text <-> token ids for one model: a thin wrapper over the Hugging Face `tokenizers` library.
 
-Owns reading a model directory's tokenizer files (tokenizer.json, tokenizer_config.json, the chat
-template, EOS ids from generation_config.json / config.json), the rule for adding BOS/EOS, and
-rendering chat templates in a sandboxed jinja2 environment. It never imports `transformers`.
+Owns reading (and writing) a model directory's tokenizer files (tokenizer.json,
+tokenizer_config.json, the chat template, EOS ids from generation_config.json / config.json), the
+rule for adding BOS/EOS, and rendering chat templates in a sandboxed jinja2 environment. It never
+imports `transformers`.
 
 BOS/EOS rule (what transformers' fast tokenizers do, plus the Llama default):
 - tokenizer_config.json sets add_bos_token / add_eos_token: the post-processor is replaced by a
@@ -63,6 +64,7 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self._chat_template = chat_template
+        self._add_flags = {"add_bos_token": add_bos_token, "add_eos_token": add_eos_token}
         self._set_post_processor(add_bos_token, add_eos_token)
 
     @classmethod
@@ -86,6 +88,24 @@ class Tokenizer:
             chat_template=chat_template or _find_chat_template(root, config),
             extra_eos_token_ids=_config_eos_ids(root),
         )
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json (the EOS ids)
+        so that `from_pretrained(out_dir)` builds a tokenizer that encodes and decodes the same."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"), pretty=False)
+        config = {**self._special, **self._add_flags, "chat_template": self._chat_template}
+        _write_json(out / "tokenizer_config.json",
+                    {k: v for k, v in config.items() if v is not None})
+        _write_json(out / "generation_config.json", {"eos_token_id": sorted(self.eos_token_ids)})
+        return out
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template (vLLM's --chat-template); the backend is
+        shared (its BOS/EOS post-processor is already set, so it is left as it is)."""
+        return Tokenizer(self._backend, **self._special, chat_template=chat_template,
+                         extra_eos_token_ids=sorted(self.eos_token_ids))
 
     # -- vocabulary ------------------------------------------------------------------------------
 
@@ -277,6 +297,10 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 
 
 def _token_content(value: Any) -> str | None:

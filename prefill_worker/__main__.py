@@ -1,4 +1,4 @@
-"""`python -m prefill_worker --model DIR [--host H] [--port P] [--redis URL]`
+"""`python -m prefill_worker [--model PATH] [--host H] [--port P] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
 takes it into its prefill pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves

@@ -1,4 +1,4 @@
-"""`python -m router --model DIR (--decode H:P[,H:P] [--prefill H:P[,H:P]] | --redis URL)
+"""`python -m router [--model PATH] (--decode H:P[,H:P] [--prefill H:P[,H:P]] | --redis URL)
 [--port 50051] [--http-port 8000]`: the gRPC API and, on the same asyncio loop, the OpenAI
 HTTP API.
 
@@ -8,8 +8,9 @@ Two ways to know the workers:
 - discovery (`--redis URL` and no lists): the pools follow the index's worker registry
   (`router.membership`): workers started later with the same `--redis` join on their own, and
   leave when they stop. The router may start before any worker: requests get UNAVAILABLE
-  until a decode worker joins. The model id (`--model-id`, else the checkpoint directory's
-  name) must be the workers' own; the length limit comes from the checkpoint config.
+  until a decode worker joins. The model id (`--model-id`, else the checkpoint's default: a
+  directory's name, a .gguf file's stem) must be the workers' own; the length limit comes
+  from the checkpoint config.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import time
 from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
-from pdserve.engine.model_config import ModelConfig, generation_eos_ids
+from pdserve.default_model import ensure_default_model
+from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
@@ -33,7 +35,6 @@ from pdserve.serving.security import ClientSecurity, TLSError
 from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
-from pdserve.tokenizer import Tokenizer
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.frontend import FinishRules, Frontend
@@ -70,13 +71,16 @@ async def open_index(redis_url: str, redis_ca: str = "") -> KVIndex | None:
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     index = await open_index(cfg.redis_url, cfg.redis_ca)
-    tokenizer = Tokenizer.from_pretrained(cfg.model, cfg.chat_template or None)
-    model_cfg = ModelConfig.from_pretrained(cfg.model)
+    checkpoint = open_checkpoint(cfg.model)
+    tokenizer = checkpoint.tokenizer()
+    if cfg.chat_template:
+        tokenizer = tokenizer.with_chat_template(cfg.chat_template)
+    model_cfg = checkpoint.model_config
     prefill, decode = make_pools(cfg, index)
     await asyncio.gather(prefill.start(), decode.start())
     membership = None
     if cfg.discover:
-        model_id, max_len = served_model(cfg, model_cfg, [])
+        model_id, max_len = served_model(cfg, checkpoint, [])
         membership = Membership(index, {"prefill": prefill, "decode": decode}, model_id,
                                 max_len, cfg.discovery_period_s)
         await membership.start()
@@ -86,11 +90,11 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     else:
         await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
-        model_id, max_len = served_model(cfg, model_cfg, infos)
+        model_id, max_len = served_model(cfg, checkpoint, infos)
     metrics = RouterMetrics(model_name=model_id)
     metrics.registry.register(ClusterCollector(
         model_id, lambda: cluster_state(metrics, prefill, decode)))
-    rules = FinishRules(generation_eos_ids(cfg.model, model_cfg), max_len)
+    rules = FinishRules(checkpoint.eos_token_ids, max_len)
     frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
     service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id,
                              ToolConfig(cfg.tool_call_parser, cfg.enable_auto_tool_choice))
@@ -160,19 +164,21 @@ def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, Wo
     return prefill, decode
 
 
-def served_model(cfg: RouterConfig, model_cfg: ModelConfig, infos: list) -> tuple[str, int]:
+def served_model(cfg: RouterConfig, checkpoint: Checkpoint, infos: list) -> tuple[str, int]:
     """(model id, length limit) the router serves: from the workers' infos when it has them
     (static lists), else from the flags and the checkpoint, as a worker's engine derives them
     by default (discovery, where no worker may exist yet)."""
-    model_id = cfg.model_id or (infos[0].model_id if infos else Path(cfg.model).name)
-    default_len = min(model_cfg.max_position_embeddings, ENGINE_MAX_LEN_CAP)
+    model_id = cfg.model_id or (infos[0].model_id if infos else checkpoint.model_id)
+    default_len = min(checkpoint.model_config.max_position_embeddings, ENGINE_MAX_LEN_CAP)
     return model_id, min((i.max_model_len for i in infos), default=default_len)
 
 
 def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | None]:
     """The router's config, and the HTTP server's (None when --http-port is -1)."""
     p = argparse.ArgumentParser(prog="router")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prefill", default="", help="comma-separated host:port list")
     p.add_argument("--decode", default="",
                    help="comma-separated host:port list (none with --redis: discovery mode)")
@@ -243,7 +249,8 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         metrics_tokens=metrics_tokens,
         ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
-        model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
+        model=a.model or str(ensure_default_model()), prefill=prefill, decode=decode,
+        host=a.host, port=a.port,
         model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
         chat_template=read_chat_template(a.chat_template),
         tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,

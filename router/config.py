@@ -10,7 +10,8 @@ from pdserve.serving.security import ClientSecurity, TLSConfig
 @dataclass(frozen=True)
 class RouterConfig:
     model: str
-    """Checkpoint directory (tokenizer and model card come from it)."""
+    """Checkpoint path (tokenizer and model card come from it): a Hugging Face directory, a
+    .gguf file or a directory holding one."""
     prefill: tuple[str, ...] = ()
     """host:port of each prefill worker."""
     decode: tuple[str, ...] = ()
@@ -18,7 +19,7 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     model_id: str = ""
-    """Name served in ListModels (default: the checkpoint directory's name)."""
+    """Name served in ListModels (default: the checkpoint's, see `Checkpoint.model_id`)."""
     model_aliases: tuple[str, ...] = ()
     """More names the OpenAI API accepts for the model (vLLM's --served-model-name A B)."""
     chat_template: str = ""

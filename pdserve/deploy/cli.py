@@ -30,7 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="ray_cmd", required=True)
     up = sub.add_parser("up", help="start a deployment; Ctrl-C stops it")
     _add_address(up)
-    up.add_argument("--model", required=True, help="checkpoint dir, same path on every node")
+    up.add_argument("--model", required=True,
+                    help="HF checkpoint dir or .gguf file, same path on every node")
     up.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
                     help="Redis registry and KV index (default: $PDSERVE_REDIS_URL)")
     up.add_argument("--prefill", type=int, default=1, help="prefill workers")

@@ -9,7 +9,8 @@ from typing import Any
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    """Directory of a Hugging Face checkpoint (config.json + safetensors + tokenizer)."""
+    """The checkpoint: a Hugging Face directory (config.json + safetensors + tokenizer), a .gguf
+    file, or a directory holding one .gguf (see pdserve/engine/checkpoint)."""
     dtype: str = "auto"
     """Weights/activations dtype: auto (the checkpoint's), float32, bfloat16, float16."""
     device: str = "auto"
@@ -45,7 +46,8 @@ class EngineConfig:
     """vLLM-style: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
     or {"model": DRAFT_DIR, "num_speculative_tokens": k}."""
     model_id: str = ""
-    """Name under which the model is served and hashed (default: the directory name)."""
+    """Name under which the model is served and hashed (default: the checkpoint directory's
+    name, or a .gguf file's stem)."""
     kv_host_gb: float = 0.0
     """Host-memory KV tier (GiB, pinned on CUDA): blocks evicted from the device cache are
     kept here and loaded back on a prefix hit (0 = off). Needs prefix caching. With TP > 1

@@ -11,7 +11,6 @@ import os
 import random
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
@@ -19,10 +18,11 @@ from kv_store.block_pool import BlockPool
 from kv_store.tiers.manager import TierManager, tier_stats_off
 from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
+from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loader import load_model
-from pdserve.engine.model_config import ModelConfig, generation_eos_ids, parse_dtype
+from pdserve.engine.model_config import ModelConfig, parse_dtype
 from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
@@ -46,16 +46,19 @@ IO_STALL_WAIT_S = 0.001
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, tp: ParallelContext = SINGLE,
-                 on_block_event=None, tp_role: str = "engine") -> None:
+                 on_block_event=None, tp_role: str = "engine",
+                 checkpoint: Checkpoint | None = None) -> None:
+        """`checkpoint`: `config.model` already opened (LLM shares it with its tokenizer)."""
         self.config = config
-        self.model_dir = Path(config.model)
-        self.model_config = ModelConfig.from_pretrained(self.model_dir)
-        self.model_id = config.model_id or self.model_dir.name
+        # Local: the checkpoint (a GGUF's memory map) is not kept once the weights are loaded.
+        checkpoint = checkpoint or open_checkpoint(config.model)
+        self.model_config = checkpoint.model_config
+        self.model_id = config.model_id or checkpoint.model_id
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 32768)
-        self.eos_token_ids = generation_eos_ids(self.model_dir, self.model_config)
+        self.eos_token_ids = checkpoint.eos_token_ids
         self.tp_driver = None
         if config.tensor_parallel_size > 1 and tp.size == 1:
             from pdserve.engine.tp.driver import TPDriver, check_divisible
@@ -68,7 +71,7 @@ class LLMEngine:
         tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
         try:
-            model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,
+            model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
                                self.max_model_len, quantization=config.quantization)
         except BaseException:
             self.close()

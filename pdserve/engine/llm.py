@@ -1,6 +1,6 @@
 """`LLM`: the single-process engine for offline use and as the parity reference.
 
-    llm = LLM(model_dir)
+    llm = LLM(model_path)     # HF directory, FILE.gguf, or None: the embedded default model
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
 """
 
@@ -10,12 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text_stream import TextStream
-from pdserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -45,10 +45,17 @@ class _Pending:
 
 
 class LLM:
-    def __init__(self, model_path: str, **options: Any) -> None:
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        """`model_path`: a Hugging Face checkpoint directory, a .gguf file or a directory
+        holding one; None serves the embedded default model (pdserve/default_model.py)."""
+        if model_path is None:
+            from pdserve.default_model import ensure_default_model
+
+            model_path = ensure_default_model()
         self.config = EngineConfig(model=str(model_path), **options)
-        self.tokenizer = Tokenizer.from_pretrained(model_path)
-        self.engine = LLMEngine(self.config)
+        checkpoint = open_checkpoint(model_path)
+        self.tokenizer = checkpoint.tokenizer()
+        self.engine = LLMEngine(self.config, checkpoint=checkpoint)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],

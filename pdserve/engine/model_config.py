@@ -60,6 +60,9 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     params: tuple[tuple[str, float], ...] = ()
+    freq_factors: tuple[float, ...] = ()
+    """One divisor per rotary frequency (head_dim / 2 of them), applied after the schedule:
+    how GGUF files state Llama 3.1's scaling (`rope_freqs.weight`). Empty: none."""
 
     def get(self, key: str, default: float | None = None) -> float | None:
         return dict(self.params).get(key, default)
@@ -186,14 +189,3 @@ def _sliding_window(family: str, cfg: dict[str, Any]) -> int | None:
             return None
         raise ValueError(f"{family} sliding-window layers are not supported")
     return int(window)
-
-
-def generation_eos_ids(model_dir: str | Path, cfg: ModelConfig) -> frozenset[int]:
-    """The ids that end generation: config.json's eos_token_id(s) and generation_config.json's.
-    The engine stops on them; the router predicts the same stops from the same rule."""
-    ids = set(cfg.eos_token_ids)
-    gen = Path(model_dir) / "generation_config.json"
-    if gen.is_file():
-        eos = json.loads(gen.read_text()).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else ([] if eos is None else [eos]))
-    return frozenset(int(i) for i in ids)

@@ -51,7 +51,9 @@ class WorkerOptions:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address the gRPC server and the KV receiver bind to")
     p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
@@ -131,8 +133,13 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     worker_id = a.worker_id or f"{role}-{os.getpid()}"
     # Workers started with the same flags must not share (and wipe) one segment directory.
     ssd_dir = os.path.join(a.kv_ssd_dir, worker_id) if a.kv_ssd_dir else None
+    model = a.model
+    if model is None:
+        from pdserve.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
     engine = EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        model=model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,

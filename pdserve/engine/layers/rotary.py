@@ -1,5 +1,6 @@
 """Rotary position embeddings (NeoX half-rotation layout) with default, linear and llama3
-frequency schedules. cos/sin are tabulated once for every position up to the model length."""
+frequency schedules, and explicit per-frequency divisors (GGUF `rope_freqs`). cos/sin are
+tabulated once for every position up to the model length."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from pdserve.engine.model_config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
-        return inv / rope.get("factor", 1.0)
-    if rope.rope_type == "llama3":
-        return _llama3_schedule(inv, rope)
+        inv = inv / rope.get("factor", 1.0)
+    elif rope.rope_type == "llama3":
+        inv = _llama3_schedule(inv, rope)
+    if rope.freq_factors:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of "
+                             f"{head_dim} (expected {head_dim // 2})")
+        inv = inv / torch.tensor(rope.freq_factors, dtype=torch.float32)
     return inv
 
 

@@ -158,7 +158,9 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 param.data.copy_(tensor)
             else:
-                loader(param, tensor.to(param.dtype), shard)
+                # A 4-bit `Int4Weight` goes to its layer's loader as the checkpoint gave it.
+                value = tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                loader(param, value, shard)
             loaded.add(target)
         return loaded
 
