@@ -283,9 +283,8 @@ class LLMEngine:
             self.structured.release(req.request_id)
 
     def _grammar_compiler(self) -> GrammarCompiler:
-        from pdserve.tokenizer import Tokenizer
-
-        return GrammarCompiler(Tokenizer.from_pretrained(self.model_dir), self.vocab_size,
+        # Reopened on first use: the engine keeps no checkpoint (a GGUF's memory map).
+        return GrammarCompiler(open_checkpoint(self.config.model).tokenizer(), self.vocab_size,
                                self.eos_token_ids)
 
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk]
