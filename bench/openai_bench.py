@@ -14,7 +14,9 @@ Rows:
 TPOT per request = (last chunk - first chunk) / (completion tokens - 1), from the client's
 clock; the engine rows time the same batch in the single-process engine (decode steps only).
 The best round of each mode counts (the machine may be shared). Prefill tokens computed =
-the prefill worker's `prompt_tokens - prefix_hit_tokens` counters over the round.
+what every worker's engine computed of prompts over the round (`prefix_cache_queries -
+prefix_cache_hits`: tokens looked up at admission and not found), so a decode worker that
+prefills a request itself counts as well as the prefill worker.
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ def engine_rows(model: str, rounds: int, batch: int, max_tokens: int) -> list[di
     from pdserve.engine.structured import ConstraintKind, StructuredOutput
 
     torch.set_num_threads(1)
-    llm = LLM(model)
+    llm = LLM(model, dtype="float32")
     spec = StructuredOutput(ConstraintKind.JSON_SCHEMA, json.dumps(SCHEMA))
     params = {False: SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1,
                                     ignore_eos=True),
@@ -142,11 +144,14 @@ def _tpot_rows(where: str, tpot: dict[bool, float], tokens: dict[bool, float]) -
 
 
 def prefill_computed(cluster: LocalCluster) -> float:
+    """Prompt tokens every worker's engine computed (looked up in its prefix cache at
+    admission and not found there): prefill workers' and decode workers' own prefills."""
     total = 0.0
-    for c in cluster.workers("prefill"):
+    for c in cluster.children:
         with cluster.security.channel(c.info["address"]) as ch:
             s = worker_pb_grpc.WorkerStub(ch).GetStats(worker_pb.StatsRequest(), timeout=10)
-        total += s.counters.get("prompt_tokens", 0) - s.counters.get("prefix_hit_tokens", 0)
+        total += s.counters.get("prefix_cache_queries", 0) - s.counters.get(
+            "prefix_cache_hits", 0)
     return total
 
 
@@ -180,7 +185,8 @@ def choices_rows(api, model, cluster, rounds: int, n: int, max_tokens: int, word
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="checkpoint (default: the embedded default)")
+    ap.add_argument("--model", default=None,
+                    help="checkpoint (default: the embedded SmolLM2-135M-Instruct)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -189,12 +195,13 @@ def main() -> None:
     ap.add_argument("--output", default="bench/results/openai.json")
     a = ap.parse_args()
     if a.model is None:
-        from pdserve.demo_model import ensure_demo_model
+        from pdserve.default_model import ensure_default_model
 
-        a.model = str(ensure_demo_model())
+        a.model = str(ensure_default_model())
     threads = max(1, (os.cpu_count() or 2) // 2)
     logs = tempfile.mkdtemp(prefix="openai-bench-")
-    spec = ClusterSpec(model=a.model, port=0, threads_per_worker=threads, log_dir=logs)
+    spec = ClusterSpec(model=a.model, port=0, threads_per_worker=threads, log_dir=logs,
+                       worker_args=("--dtype", "float32"))
     rng = random.Random(0)
     with LocalCluster(spec) as cluster, openai.OpenAI(
             base_url=f"http://{cluster.http_address}/v1", api_key="x", max_retries=0,
