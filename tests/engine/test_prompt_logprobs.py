@@ -50,3 +50,24 @@ def test_logit_bias_moves_the_greedy_token(tiny_llama):
                                                       logit_bias={plain[0]: -100}))[0]
     assert forced.token_ids == [42] * 4
     assert banned.token_ids[0] != plain[0]
+
+
+def test_prompt_logprobs_and_grammars_under_tensor_parallelism(tiny_llama):
+    """Every rank gathers the LM-head rows a chunk scores (they travel in the step plan);
+    the grammar's mask is rank 0's, like the sampling."""
+    from pdserve.engine.structured import ConstraintKind, StructuredOutput
+
+    prompt = random_prompts([18], 512, seed=6)[0]
+    scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2, ignore_eos=True)
+    shaped = SamplingParams(max_tokens=20, temperature=0.9, seed=2,
+                            structured=StructuredOutput(ConstraintKind.REGEX, "[a-z]{3,8}"))
+    with LLM(str(tiny_llama), dtype="float32", num_gpu_blocks=64) as one:
+        ref = one.generate([prompt, prompt], [scored, shaped])
+    with LLM(str(tiny_llama), dtype="float32", num_gpu_blocks=64, tensor_parallel_size=2,
+             max_num_batched_tokens=8) as two:
+        got = two.generate([prompt, prompt], [scored, shaped])
+    assert got[0].token_ids == ref[0].token_ids
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got[0].prompt_logprobs]),
+                               torch.tensor([lp.logprob for lp in ref[0].prompt_logprobs]),
+                               atol=1e-4, rtol=1e-4)
+    assert got[1].text == ref[1].text
