@@ -84,6 +84,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local-prefill-tokens", type=int, default=32,
                    help="uncached prompts up to this many tokens are prefilled by the decode "
                         "worker itself")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="most moves of one request to another worker after a worker fails it")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests move on")
     p.add_argument("--log-dir", default=None, help="write each process's log here")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
@@ -173,7 +177,10 @@ def cmd_up(a: argparse.Namespace) -> int:
                        log_dir=a.log_dir, redis_url=a.redis, tls=a.tls == "auto",
                        cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
-                                    "--http-port", str(a.http_port), *api_router_args(a)))
+                                    "--http-port", str(a.http_port),
+                                    "--migration-limit", str(a.migration_limit),
+                                    "--heartbeat-timeout", str(a.heartbeat_timeout),
+                                    *api_router_args(a)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -7,7 +7,7 @@ One choice's chunks:
     token chunk ... token chunk ─ last token chunk (finish_reason + usage)
                                 └ or, when the end was not foreseeable, an empty final chunk
 
-The router applies the engine's token-level stop rules (`pdserve.engine.stop.stop_rules`)
+The router applies the engine's token-level stop rules (`pdserve.engine.stop`)
 to every token it receives, so it knows a token is the last one as soon as it arrives: that
 chunk waits only for the decode worker's `finished` event (sent in the same step) and carries
 the finish reason with the text, as OpenAI clients expect. Several choices (`n`, a batch of
@@ -25,14 +25,16 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import choice_seed
-from pdserve.engine.stop import stop_rules
+from pdserve.engine.stop import apply_stop_rules
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.flow import FinishEvent, Flow, FlowTimings, TokenEvent
+from router.migration import MigrationPolicy
 from router.pool import WorkerPool
 from router.validation import ValidRequest
 
@@ -54,7 +56,7 @@ class OutputChunk:
     token_ids: list[int]
     text: str
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
     index: int = 0
     """The choice (0 .. choices-1): prompt i, sample j of n is choice i * n + j."""
@@ -104,7 +106,8 @@ class Frontend:
         self.rules = rules
         self._rng = random.Random(uuid.uuid4().int)
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
-                         random.Random(uuid.uuid4().int), config.routing)
+                         random.Random(uuid.uuid4().int), config.routing,
+                         MigrationPolicy(limit=config.migration_limit))
         counters = self.flow.counters  # the dict the flow increments in place
         self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
@@ -169,9 +172,9 @@ class Frontend:
                                         prompt_logprobs=ev.prompt_logprobs or None)
                     if delta.stopped:
                         cached = timings.prefill_cached_tokens if timings.prefill_remote else 0
-                        trace.finish("OK", cached, "stop",  # before the yield: the caller
-                                     timings.prefill_compute_s)  # may stop reading
-                        yield dataclasses.replace(chunk, finish_reason="stop",
+                        trace.finish("OK", cached, FinishReason.STOP,  # before the yield: the
+                                     timings.prefill_compute_s)  # caller may stop reading
+                        yield dataclasses.replace(chunk, finish_reason=FinishReason.STOP,
                                                   usage=Usage(n_prompt, sent, cached))
                         return
                     if last:
@@ -198,8 +201,8 @@ class Frontend:
         """Whether the engine's stop rules end the request with these tokens."""
         if self.rules is None:
             return False
-        _, reason = stop_rules(p, n_prompt, n_output, tokens, self.rules.eos_token_ids,
-                               self.rules.max_model_len)
+        _, reason = apply_stop_rules(p, n_prompt, n_output, tokens, self.rules.eos_token_ids,
+                                     self.rules.max_model_len)
         return reason is not None
 
 

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from pdserve.proto import pb
-from pdserve.serving.convert import structured_to_pb
+from pdserve.serving.convert import finish_to_pb, structured_to_pb
 from pdserve.tokenizer import Tokenizer
 from router.frontend import Frontend, OutputChunk, UsageTotal
 from router.openai import constraints
@@ -42,8 +42,6 @@ from router.validation import ValidRequest
 
 MAX_CHOICES = 128
 """Most outputs (`n`) one request may ask for."""
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 
 
 async def prepare_request(request: pb.GenerateRequest, tokenizer: Tokenizer,
@@ -88,7 +86,7 @@ async def stream_choices(frontend: Frontend, req: ValidRequest, n: int, public_i
 
 def to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason],
+                              logprobs=c.logprobs, finish_reason=finish_to_pb(c.finish_reason),
                               index=c.index, prompt_logprobs=c.prompt_logprobs or [])
     if c.usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,

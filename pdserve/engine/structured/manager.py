@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.request import Request
 from pdserve.engine.scheduler import ScheduledChunk
 from pdserve.engine.structured.compiler import GrammarCompiler
@@ -32,8 +33,8 @@ _WORD_BITS = 32
 class Advance:
     keep: int
     """How many of the step's tokens stand (the rest follow the grammar's end)."""
-    reason: str | None
-    """"stop" when the grammar terminated, "abort" when it refused a token, else None."""
+    reason: FinishReason | None
+    """STOP when the grammar terminated, ABORT when it refused a token, else None."""
 
 
 class StructuredOutputs:
@@ -102,7 +103,7 @@ class StructuredOutputs:
             if not state.accept(tok):
                 log.error("request %s: token %d is outside its grammar; ending it",
                           req.request_id, tokens[i])
-                return Advance(i, "abort")
+                return Advance(i, FinishReason.ABORT)
             if state.terminated:
-                return Advance(i + 1, "stop")
+                return Advance(i + 1, FinishReason.STOP)
         return Advance(len(tokens), None)
