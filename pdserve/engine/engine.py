@@ -99,7 +99,7 @@ class LLMEngine:
         if self.tiers is not None:
             self.pool.set_evict_listener(self.tiers.demote)
         kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size),
-                            tiers=self.tiers)
+                            tiers=self.tiers, copy_blocks=self._copy_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
@@ -115,27 +115,35 @@ class LLMEngine:
         # Grammar matchers of constrained requests (xgrammar loads on the first one).
         self.structured = StructuredOutputs(self._grammar_compiler, self.vocab_size)
         self.scheduler.add_release_listener(self._on_release)
+        self.scheduler.add_fork_listener(self.structured.prepare)  # each choice its own
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, seed: int | None = None,
-                    generated: Sequence[int] = ()) -> Request:
+                    generated: Sequence[int] = (),
+                    forks: Sequence[tuple[str, int]] = ()) -> Request:
         """Queue a request. `generated`: output it already produced elsewhere (a migrated
-        request); it continues from there (check `continuation_finished` first)."""
-        req = self._new_request(request_id, prompt_token_ids, params, seed, generated)
+        request); it continues from there (check `continuation_finished` first). `forks`:
+        (request id, seed) of more choices of the same prompt, forked from this one once its
+        prompt is computed (they share its prompt KV; see `Scheduler.fork_ready`)."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, generated, forks)
         self.scheduler.add(req)
         return req
 
     def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, seed: int | None, generated: Sequence[int]
-                     ) -> Request:
+                     params: SamplingParams, seed: int | None, generated: Sequence[int],
+                     forks: Sequence[tuple[str, int]] = ()) -> Request:
         self.validate(prompt_token_ids, params, generated)
-        if request_id in self.scheduler.requests:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
+        ids = [request_id, *(child for child, _ in forks)]
+        if len(set(ids)) != len(ids) or any(i in self.scheduler.requests for i in ids):
+            raise ValueError(f"request ids {ids} are not unique or already in flight")
+        if forks and generated:
+            raise ValueError("a continuation (generated tokens) cannot fork choices")
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         req = Request(request_id, list(prompt_token_ids), params, seed,
-                      output_token_ids=[int(t) for t in generated])
+                      output_token_ids=[int(t) for t in generated],
+                      forks=[(str(c), int(s)) for c, s in forks])
         # A matcher for a constrained request (an invalid grammar is a ValueError, nothing
         # added); it catches up on `generated` (a migrated request's earlier output) lazily.
         self.structured.prepare(req)
@@ -187,11 +195,12 @@ class LLMEngine:
 
     # -- requests whose KV arrives from elsewhere (pdserve.engine.remote_kv) -----------------
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, seed: int) -> KVReservation:
+                       params: SamplingParams, seed: int,
+                       forks: Sequence[tuple[str, int]] = ()) -> KVReservation:
         """Admit a request whose prompt a prefill worker computes: WAITING_FOR_KV, its prefix
-        hit taken and blocks held for the whole prompt. Raises ValueError (bad request) or
-        `NoKVCapacity`."""
-        req = self._new_request(request_id, prompt_token_ids, params, seed, ())
+        hit taken and blocks held for the whole prompt; `forks` (see `add_request`) fork from
+        it when its KV has landed. Raises ValueError (bad request) or `NoKVCapacity`."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, (), forks)
         res = self.scheduler.reserve_remote(req)
         if res is None:
             self.structured.release(request_id)
@@ -397,6 +406,12 @@ class LLMEngine:
             targets = req.prompt_token_ids[c.start + 1 + skip:c.start + 1 + n]
             req.prompt_logprobs.extend(score_tokens(rows[skip:], targets,
                                                     req.params.prompt_logprobs))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV of device blocks src -> dst on every rank (a fork's copy-on-write)."""
+        self.runner.copy_blocks(pairs)
+        if self.tp_driver is not None:
+            self.tp_driver.call({"op": "copy_blocks", "pairs": [list(p) for p in pairs]})
 
     def _on_release(self, req: Request) -> None:
         if req.status is not RequestStatus.WAITING:  # preempted requests keep their matcher

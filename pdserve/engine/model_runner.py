@@ -110,5 +110,15 @@ class ModelRunner:
         return ForwardOutput(logits, prompt)
 
     @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the KV of each (src, dst) block pair, every layer (this rank's heads)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         return self.sampler(logits, rows)

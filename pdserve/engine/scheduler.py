@@ -86,6 +86,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.pulls: dict[str, PullReservation] = {}  # of the PULLING requests
         self._release_listeners: list[Callable[[Request], None]] = []
+        self._fork_listeners: list[Callable[[Request], None]] = []
         # Cumulative counts for metrics: prompt tokens looked up in / found in the prefix
         # cache at first admission, and preemptions.
         self.prefix_cache_queries = 0
@@ -98,6 +99,35 @@ class Scheduler:
         self._release_listeners.append(fn)
 
     # -- queue management ----------------------------------------------------------------
+    def add_fork_listener(self, fn: Callable[[Request], None]) -> None:
+        """Call `fn(child)` for each choice forked from a request (`fork_ready`)."""
+        self._fork_listeners.append(fn)
+
+    def fork_ready(self, parent: Request) -> list[Request]:
+        """`parent`'s prompt KV is in: fork its pending choices (`Request.forks`). Each child
+        is RUNNING at once with the parent's prompt KV but the last token's (shared full
+        blocks, a copy of the partial one: `KVCacheManager.fork`), so its first step computes
+        that token and samples its own first output with its own seed. A child that cannot
+        get its copy queues as a new request instead (its prefix hit then covers the blocks
+        the parent published). Forks join the running set beyond `max_num_seqs` if need be:
+        their parent's batch already holds their prompt."""
+        forks, parent.forks = parent.forks, []
+        children = []
+        for child_id, seed in forks:
+            child = Request(child_id, list(parent.prompt_token_ids), parent.params, seed)
+            self._register(child)
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+            if self.kv.fork(parent, child):
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = RequestStatus.WAITING
+                self.waiting.append(child)
+            for fn in self._fork_listeners:
+                fn(child)
+            children.append(child)
+        return children
+
     def add(self, req: Request) -> None:
         """Queue a new request (WAITING) for admission."""
         self._register(req)
@@ -155,6 +185,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(first_token)
         self.kv.publish(req)
+        if req.forks:  # before a first token that ends the parent frees its blocks
+            self.fork_ready(req)
         if reason is not None:
             self.finish(request_id, RequestStatus.finished(reason))
         else:
@@ -324,6 +356,8 @@ class Scheduler:
                 req.output_token_ids.extend(tokens)
                 touched.append(req)
             self.kv.publish(req)
+            if req.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.fork_ready(req)
             if chunk.spec_token_ids:
                 self.kv.trim(req, req.num_computed_tokens + 1)
         return touched

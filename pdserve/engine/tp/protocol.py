@@ -4,6 +4,7 @@
     {"v": VERSION, "op": "step", "chunks": [[token_ids, start, block_ids, num_samples,
                                              num_prompt_logits], ...],
                                "extra": {...}}   # e.g. the prefill worker's KV sends
+    {"v": VERSION, "op": "copy_blocks", "pairs": [[src, dst], ...]}   # a fork's copy-on-write
     {"v": VERSION, "op": "stop"}
     {"v": VERSION, "op": "tier", "call": TierOp wire | absent}   # see pdserve.engine.tp.tiers
     any message may carry "tier_ops": [TierOp wire, ...], run by followers before the message
@@ -22,7 +23,7 @@ from pdserve.engine.scheduler import ScheduledChunk
 
 # History: 1 - setup / step / stop. 2 - "tier" calls and "tier_ops" on any message.
 # 3 - a step's chunks carry num_prompt_logits (prompt logprobs: the LM head gathers those
-# rows on every rank).
+# rows on every rank); "copy_blocks" (a fork's copy of its parent's last partial block).
 VERSION = 3
 
 
