@@ -10,8 +10,9 @@ One choice's chunks:
 The router applies the engine's token-level stop rules (`pdserve.engine.stop`)
 to every token it receives, so it knows a token is the last one as soon as it arrives: that
 chunk waits only for the decode worker's `finished` event (sent in the same step) and carries
-the finish reason with the text, as OpenAI clients expect. Several choices (`n`, a batch of
-prompts) run side by side and their chunks interleave, each tagged with its `index`.
+the finish reason with the text, as OpenAI clients expect. A prompt's `n` choices are one
+flow (the decode worker forks them from the prompt's KV, computed once); their chunks, and
+those of a batch of prompts, interleave, each tagged with its `index`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from pdserve.engine.finish import FinishReason
-from pdserve.engine.sampler import choice_seed
 from pdserve.engine.stop import apply_stop_rules
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
@@ -119,83 +119,60 @@ class Frontend:
     async def generate_choices(self, reqs: Sequence[ValidRequest], n: int,
                                timeout_s: float | None) -> AsyncIterator[OutputChunk]:
         """Stream `n` choices of each request (prompt), interleaved, tagged with `index`;
-        raises `FlowError`. Choice j of a request samples with `choice_seed(seed, j)`: seeded
-        requests are reproducible and their choices distinct.
-
-        The choices run as separate flows, each prefilling the prompt (its blocks are mostly
-        shared through the prefix cache); the decode-side fork of one prefill replaces this
-        fan-out without changing the interface."""
-        if len(reqs) == 1 and n == 1:
-            async with aclosing(self.generate(reqs[0], timeout_s)) as chunks:
+        raises `FlowError`. Each prompt's choices are one flow: the decode worker forks them
+        from the prompt's KV, computed once; choice j samples with `choice_seed(seed, j)`,
+        so seeded requests are reproducible and their choices distinct."""
+        if len(reqs) == 1:
+            async with aclosing(self.generate(reqs[0], timeout_s, n)) as chunks:
                 async for c in chunks:
                     yield c
             return
-        jobs = []
-        for i, req in enumerate(reqs):
-            base = req.params.seed if req.params.seed is not None else self._rng.getrandbits(63)
-            for j in range(n):
-                params = dataclasses.replace(req.params, seed=choice_seed(base, j))
-                jobs.append((i * n + j, dataclasses.replace(req, params=params)))
-        async with aclosing(_merge([self.generate(r, timeout_s, index, n)
-                                    for index, r in jobs])) as chunks:
+        async with aclosing(_merge([self.generate(r, timeout_s, n, i * n)
+                                    for i, r in enumerate(reqs)])) as chunks:
             async for c in chunks:
                 yield c
 
-    async def generate(self, req: ValidRequest, timeout_s: float | None, index: int = 0,
-                       choices: int = 1) -> AsyncIterator[OutputChunk]:
-        """Stream one choice's output (`index` of `choices` for the prompt); raises
-        `FlowError` with the status to return."""
+    async def generate(self, req: ValidRequest, timeout_s: float | None, n: int = 1,
+                       base_index: int = 0) -> AsyncIterator[OutputChunk]:
+        """Stream the `n` choices of one prompt (indexes base_index ..); raises `FlowError`
+        with the status to return."""
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"  # unique on the workers
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
-        p = req.params
-        text = TextStream(self.tokenizer, req.prompt_token_ids, p.stop,
-                          p.include_stop_str_in_output, req.skip_special_tokens)
-        want_lp = p.logprobs is not None
-        n_prompt, sent = len(req.prompt_token_ids), 0
-        held: OutputChunk | None = None  # the foreseen last chunk, waiting for `finished`
+        if n > 1 and req.params.seed is None:  # one seed for the request: its choices derive
+            req = dataclasses.replace(req, params=dataclasses.replace(
+                req.params, seed=self._rng.getrandbits(63)))
         timings = FlowTimings()
         # The workers know the request by `rid`; its prefix is the client's id, when given.
-        trace = self.metrics.trace(rid, n_prompt, log, n=choices, max_tokens=p.max_tokens)
-        self.inflight += 1
+        choices = [_Choice(self, req, rid if j == 0 else f"{rid}.c{j}", base_index + j, n,
+                           timings) for j in range(n)]
+        left = n
+        prompt_lps: list[pb.TokenLogprob] | None = None
+        self.inflight += n
         try:
-            async for ev in self.flow.run(rid, req, timeout, timings):
+            async for ev in self.flow.run(rid, req, timeout, timings, n):
+                c = choices[ev.index] if 0 <= ev.index < n else None
+                if c is None or c.done:
+                    continue  # a choice the router ended (a stop string)
                 if isinstance(ev, TokenEvent):
-                    if held is not None:  # rules disagreed with the worker's: not the end
-                        yield held
-                        held = None
-                    last = self._ends(p, n_prompt, sent, ev.token_ids)
-                    sent += len(ev.token_ids)
-                    trace.on_tokens(len(ev.token_ids))
-                    delta = text.add(ev.token_ids, final=last)
-                    chunk = OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [],
-                                        index=index,
-                                        prompt_logprobs=ev.prompt_logprobs or None)
-                    if delta.stopped:
-                        cached = timings.prefill_cached_tokens if timings.prefill_remote else 0
-                        trace.finish("OK", cached, FinishReason.STOP,  # before the yield: the
-                                     timings.prefill_compute_s)  # caller may stop reading
-                        yield dataclasses.replace(chunk, finish_reason=FinishReason.STOP,
-                                                  usage=Usage(n_prompt, sent, cached))
-                        return
-                    if last:
-                        held = chunk
-                    else:
-                        yield chunk
-                elif isinstance(ev, FinishEvent):
-                    trace.finish("OK", ev.cached_tokens, ev.reason, timings.prefill_compute_s)
-                    usage = Usage(n_prompt, sent, ev.cached_tokens)
-                    tail = text.finish().text
-                    if held is None:
-                        held = OutputChunk([], "", [], index=index)
-                    yield dataclasses.replace(held, text=held.text + tail,
-                                              finish_reason=ev.reason, usage=usage)
+                    prompt_lps = prompt_lps or ev.prompt_logprobs or None
+                    out = c.on_tokens(ev, prompt_lps)
+                    if c.done and n > 1:
+                        self.flow.stop_choice(rid, ev.index)
+                else:
+                    out = [c.on_finish(ev)]
+                for chunk in out:
+                    yield chunk
+                left -= c.done
+                if left == 0:
                     return
-            trace.finish("INTERNAL")  # the flow always ends with a finish event or an error
+            for c in choices:  # the flow always ends every choice or raises
+                c.trace.finish("INTERNAL")
         except BaseException as exc:
-            trace.finish(status_of(exc))
+            for c in choices:
+                c.trace.finish(status_of(exc))
             raise
         finally:
-            self.inflight -= 1
+            self.inflight -= n
 
     def _ends(self, p, n_prompt: int, n_output: int, tokens: list[int]) -> bool:
         """Whether the engine's stop rules end the request with these tokens."""
@@ -204,6 +181,59 @@ class Frontend:
         _, reason = apply_stop_rules(p, n_prompt, n_output, tokens, self.rules.eos_token_ids,
                                      self.rules.max_model_len)
         return reason is not None
+
+
+class _Choice:
+    """One choice's text (stop strings, detokenizing), trace, and the chunk held for its
+    foreseen end (the finish reason rides on the last token's chunk)."""
+
+    def __init__(self, frontend: Frontend, req: ValidRequest, rid: str, index: int,
+                 n: int, timings: FlowTimings) -> None:
+        p = req.params
+        self.frontend, self.params, self.index, self.timings = frontend, p, index, timings
+        self.text = TextStream(frontend.tokenizer, req.prompt_token_ids, p.stop,
+                               p.include_stop_str_in_output, req.skip_special_tokens)
+        self.n_prompt, self.sent = len(req.prompt_token_ids), 0
+        self.held: OutputChunk | None = None
+        self.first = True
+        self.done = False
+        self.trace = frontend.metrics.trace(rid, self.n_prompt, log, n=n,
+                                            max_tokens=p.max_tokens)
+
+    def on_tokens(self, ev: TokenEvent, prompt_lps) -> list[OutputChunk]:
+        out = []
+        if self.held is not None:  # rules disagreed with the worker's: not the end
+            out.append(self.held)
+            self.held = None
+        last = self.frontend._ends(self.params, self.n_prompt, self.sent, ev.token_ids)
+        self.sent += len(ev.token_ids)
+        self.trace.on_tokens(len(ev.token_ids))
+        delta = self.text.add(ev.token_ids, final=last)
+        lps = ev.logprobs if self.params.logprobs is not None else []
+        chunk = OutputChunk(ev.token_ids, delta.text, lps, index=self.index,
+                            prompt_logprobs=prompt_lps if self.first else None)
+        self.first = False
+        if delta.stopped:
+            t = self.timings
+            cached = t.prefill_cached_tokens if t.prefill_remote else 0
+            self.trace.finish("OK", cached, FinishReason.STOP,  # before the yield: the
+                              t.prefill_compute_s)  # caller may stop reading
+            self.done = True
+            out.append(dataclasses.replace(chunk, finish_reason=FinishReason.STOP,
+                                           usage=Usage(self.n_prompt, self.sent, cached)))
+        elif last:
+            self.held = chunk
+        else:
+            out.append(chunk)
+        return out
+
+    def on_finish(self, ev: FinishEvent) -> OutputChunk:
+        self.trace.finish("OK", ev.cached_tokens, ev.reason, self.timings.prefill_compute_s)
+        self.done = True
+        held = self.held or OutputChunk([], "", [], index=self.index)
+        return dataclasses.replace(held, text=held.text + self.text.finish().text,
+                                   finish_reason=ev.reason,
+                                   usage=Usage(self.n_prompt, self.sent, ev.cached_tokens))
 
 
 async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[OutputChunk]:

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 #              transfer is bound to the ticket its decode worker handed out (KV frames not
 #              tagged under it are dropped; a prefill or push without one is refused).
 #          5 - prompt logprobs (PrefillResponse, TokenBatch); logit_bias and structured
-#              outputs in SamplingParams.
+#              outputs in SamplingParams; DecodeRequest.n (choices forked on the decode
+#              worker), TokenBatch.index and DecodeFinished.index.
 WORKER_API_VERSION = 5
 
 _MODULES = {
