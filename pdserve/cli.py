@@ -6,7 +6,7 @@
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
-    pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
+    pdserve ray up|status|scale|logs|down ...   (a Ray deployment: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
 
 PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
-    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
+    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | status | scale | logs | "
+                                        "down"))
     a = parser.parse_args(argv)
     return {"up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
             "demo-model": cmd_demo_model, "ray": cmd_ray}[a.cmd](a)
