@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 #          4 - DecodeReady.kv_ticket, KVTarget.kv_ticket and PushKVRequest.kv_ticket: each
 #              transfer is bound to the ticket its decode worker handed out (KV frames not
 #              tagged under it are dropped; a prefill or push without one is refused).
-WORKER_API_VERSION = 4
+#          5 - prompt logprobs (PrefillResponse, TokenBatch); logit_bias and structured
+#              outputs in SamplingParams; DecodeRequest.n (choices forked on the decode
+#              worker), TokenBatch.index and DecodeFinished.index.
+WORKER_API_VERSION = 5
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

@@ -70,7 +70,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
                       **{k: float(v) for k, v in stats.items()
-                         if k.startswith(("spec_", "kv_tier_"))},
+                         if k.startswith(("spec_", "kv_tier_", "prefix_cache_",
+                                          "num_preemptions"))},
                       **self.transfer_counters()},
             kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events))
 
@@ -125,9 +126,11 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         """Engine stats as of the last step, and counters, for a metrics scrape; callable from
         any thread. `stats` is None if the engine is down."""
         stats = self.loop.stats if self.loop.alive else None
+        e = self.loop.engine
         # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
+        e = self.loop.engine
         return WorkerSnapshot(stats, {**self.counters, **self.transfer_counters()},
-                              self.loop.steps)
+                              self.loop.steps, e.model_id, e.config.block_size)
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:
