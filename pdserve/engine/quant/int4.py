@@ -14,8 +14,8 @@ Lifecycle of one layer (one `Int4LinearMethod` per layer):
 
 Dtypes: the model's dtype is what flows between layers. Inside the CPU kernel activations,
 scales and zeros are bf16 (the op's only fast variant), accumulation is fp32, and the output
-is cast back to the model's dtype; the Triton kernel takes the model's dtype as it is. An act-order weight (`column_order`) permutes the
-input features before the matmul.
+is cast back to the model's dtype; the Triton kernel takes the model's dtype as it is. An
+act-order weight (`column_order`) permutes the input features before the matmul.
 """
 
 from __future__ import annotations
