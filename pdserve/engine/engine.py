@@ -92,7 +92,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
-        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend),
+        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend, self.device),
                                   config.block_size, self.device,
                                   self.tp_driver.step if self.tp_driver else None)
         self._rng = random.Random(config.seed)

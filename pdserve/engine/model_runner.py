@@ -78,7 +78,8 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
+        meta = self.backend.prepare(batch.meta)  # once per step, not once per layer
+        hidden = self.model(batch.input_ids, batch.positions, self.caches, meta,
                             self.backend, layer_hook)
         if batch.sample_index.numel() == 0:
             return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
