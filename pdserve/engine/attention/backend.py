@@ -24,6 +24,11 @@ class AttentionBackend(ABC):
         recompute in every layer (returned in `meta.backend_plan`). Default: nothing."""
         return meta
 
+    def traceable(self, cache: torch.Tensor) -> bool:
+        """Whether torch.compile / CUDA graphs can capture this backend's decode step over
+        caches like `cache` (no Python control flow on per-step values). Default: no."""
+        return False
+
     @abstractmethod
     def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:

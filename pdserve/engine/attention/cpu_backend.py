@@ -49,6 +49,9 @@ class CpuPagedAttention(TorchAttention):
         plan = CpuStepPlan(torch.tensor(short, dtype=torch.int64), long)
         return replace(meta, backend_plan=plan)
 
+    def traceable(self, cache: torch.Tensor) -> bool:
+        return not is_packed_fp8(cache)
+
     def write_kv(self, cache, k, v, meta):
         if is_packed_fp8(cache) or k.dtype != cache.dtype:
             return super().write_kv(cache, k, v, meta)

@@ -53,7 +53,23 @@ def load_ops():
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     name, flags = _build_spec()
-    return torch.ops.pdserve_cpu if build(name, flags, SOURCES) else None
+    if not build(name, flags, SOURCES):
+        return None
+    _register_fakes()
+    return torch.ops.pdserve_cpu
+
+
+def _register_fakes() -> None:
+    """Shape functions for torch.compile: both ops only write into their first argument."""
+    def paged_attention(out, q, cache, block_tables, seq_lens, query_start, seqs, scale,
+                        window):
+        return None
+
+    def write_kv(cache, k, v, slot_mapping):
+        return None
+
+    torch.library.register_fake("pdserve_cpu::paged_attention", paged_attention)
+    torch.library.register_fake("pdserve_cpu::write_kv", write_kv)
 
 
 def build(name: str, flags: list[str], sources: tuple[Path, ...]) -> bool:

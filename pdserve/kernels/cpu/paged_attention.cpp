@@ -18,16 +18,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 namespace {
 
 template <typename T>
-inline void load_row(const T* src, float* dst, int64_t d) {
+inline const float* as_float_row(const T* src, float* buf, int64_t d) {
 #pragma omp simd
-  for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]);
+  for (int64_t i = 0; i < d; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
 }
+
+inline const float* as_float_row(const float* src, float*, int64_t) { return src; }
 
 inline float dot(const float* a, const float* b, int64_t d) {
   float s = 0.f;
@@ -41,27 +45,46 @@ inline void axpy(float* acc, float p, const float* v, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += p * v[i];
 }
 
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf polynomial, a few ulp, branch
+// free so the softmax loop vectorises (std::exp does not without -ffast-math).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float fx = std::floor(x * 1.44269504088896341f + 0.5f);
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(fx) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
 struct Shape {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
 // One (request, KV head) pair: `qlen` query tokens starting at row `q0` of q/out; query j
 // sees keys [lo_j, hi_j] with hi_j = ctx - qlen + j and lo_j = hi_j - window + 1 (or 0).
-template <typename T>
+// D > 0 fixes head_dim at compile time (unrolled, vectorised rows); D == 0 reads s.head_dim.
+template <typename T, int64_t D>
 void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64_t q0,
                  int64_t qlen, int64_t ctx, int64_t kvh, const Shape& s, float scale,
                  int64_t window) {
-  const int64_t d = s.head_dim, g = s.group, rows = qlen * g;
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = qlen * g;
   const int64_t first_hi = ctx - qlen;
   const int64_t lo = window > 0 ? std::max<int64_t>(0, first_hi - window + 1) : 0;
   const int64_t span = ctx - lo;
-  std::vector<float> qf(rows * d), acc(rows * d, 0.f), scores(rows * span), row(d);
+  std::vector<float> qf(rows * d), acc(rows * d, 0.f), scores(rows * span, 0.f), row(d);
   for (int64_t j = 0; j < qlen; ++j)
     for (int64_t k = 0; k < g; ++k) {
       const T* src = q + ((q0 + j) * s.heads + kvh * g + k) * d;
       float* dst = qf.data() + (j * g + k) * d;
-      load_row(src, dst, d);
-      for (int64_t i = 0; i < d; ++i) dst[i] *= scale;
+      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
     }
   const int64_t head_rows = s.block_size * d;  // one head's slice of one block
   auto kv_row = [&](int64_t t, int64_t which) {
@@ -70,32 +93,30 @@ void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64
            (t % s.block_size) * d;
   };
   for (int64_t t = lo; t < ctx; ++t) {
-    load_row(kv_row(t, 0), row.data(), d);
-    for (int64_t r = 0; r < rows; ++r)
-      scores[r * span + (t - lo)] = dot(qf.data() + r * d, row.data(), d);
+    const float* k = as_float_row(kv_row(t, 0), row.data(), d);
+    for (int64_t r = 0; r < rows; ++r) scores[r * span + (t - lo)] = dot(qf.data() + r * d, k, d);
   }
-  std::vector<float> total(rows, 0.f);
+  // Softmax per query row over its visible keys; the others keep probability 0.
+  std::vector<float> total(rows);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t hi = first_hi + r / g;
     const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
-    float* sc = scores.data() + r * span;
+    float* sc = scores.data() + r * span - lo;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = low; t <= hi; ++t) m = std::max(m, sc[t - lo]);
+    for (int64_t t = low; t <= hi; ++t) m = std::max(m, sc[t]);
     float sum = 0.f;
-    for (int64_t t = lo; t < ctx; ++t) {
-      const bool seen = t >= low && t <= hi;
-      const float p = seen ? std::exp(sc[t - lo] - m) : 0.f;
-      sc[t - lo] = p;
-      sum += p;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = low; t <= hi; ++t) {
+      sc[t] = exp_nonpositive(sc[t] - m);
+      sum += sc[t];
     }
+    for (int64_t t = lo; t < low; ++t) sc[t] = 0.f;
+    for (int64_t t = hi + 1; t < ctx; ++t) sc[t] = 0.f;
     total[r] = sum;
   }
   for (int64_t t = lo; t < ctx; ++t) {
-    load_row(kv_row(t, 1), row.data(), d);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = scores[r * span + (t - lo)];
-      if (p != 0.f) axpy(acc.data() + r * d, p, row.data(), d);
-    }
+    const float* v = as_float_row(kv_row(t, 1), row.data(), d);
+    for (int64_t r = 0; r < rows; ++r) axpy(acc.data() + r * d, scores[r * span + (t - lo)], v, d);
   }
   for (int64_t j = 0; j < qlen; ++j)
     for (int64_t k = 0; k < g; ++k) {
@@ -104,6 +125,22 @@ void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64
       T* dst = out + ((q0 + j) * s.heads + kvh * g + k) * d;
       for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv);
     }
+}
+
+template <typename T>
+using PairFn = void (*)(const T*, T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
+                        int64_t, const Shape&, float, int64_t);
+
+template <typename T>
+PairFn<T> pick_pair_fn(int64_t head_dim) {
+  switch (head_dim) {
+    case 64: return &attend_pair<T, 64>;
+    case 128: return &attend_pair<T, 128>;
+    case 96: return &attend_pair<T, 96>;
+    case 80: return &attend_pair<T, 80>;
+    case 256: return &attend_pair<T, 256>;
+    default: return &attend_pair<T, 0>;
+  }
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
@@ -155,10 +192,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* cp = cache.data_ptr<scalar_t>();
+    const PairFn<scalar_t> attend = pick_pair_fn<scalar_t>(s.head_dim);
     at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
       for (int64_t w = begin; w < end; ++w) {
         const int64_t b = seq[w / s.kv_heads], kvh = w % s.kv_heads;
-        attend_pair<scalar_t>(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b],
+        attend(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b],
                               lens[b], kvh, s, static_cast<float>(scale), window);
       }
     });
