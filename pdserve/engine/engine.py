@@ -20,6 +20,7 @@ from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.kv_manager import KVCacheManager
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig, parse_dtype
@@ -95,7 +96,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, caches, get_backend(config.attention_backend, self.device),
                                   config.block_size, self.device,
                                   self.tp_driver.step if self.tp_driver else None,
-                                  compile_decode=config.compile_decode)
+                                  compile_decode=config.compile_decode,
+                                  graph_limits=graph_args(config.max_num_seqs,
+                                                          self.max_model_len,
+                                                          config.block_size))
         self._rng = random.Random(config.seed)
         self.vocab_size = self.model_config.vocab_size
         # Speculative decoding (None when off): drafts are proposed at the end of each step.

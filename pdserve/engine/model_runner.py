@@ -61,7 +61,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor],
                  backend: AttentionBackend, block_size: int, device: torch.device,
                  before_forward: Callable[[Sequence[ScheduledChunk], dict | None], None]
-                 | None = None, compile_decode: str = "off") -> None:
+                 | None = None, compile_decode: str = "off",
+                 graph_limits: dict | None = None) -> None:
+        """`compile_decode`: see EngineConfig; `graph_limits`: CudaGraphDecode's sizes."""
         self.model = model
         self.caches = caches
         self.backend = backend
@@ -73,7 +75,7 @@ class ModelRunner:
         # Decode-only steps through a compiled forward when the backend can be traced.
         traceable = compile_decode != "off" and backend.traceable(caches[0])
         self.decode_step = build_decode_step(compile_decode if traceable else "off",
-                                             model.forward, device)
+                                             model, device, **(graph_limits or {}))
 
     @torch.inference_mode()
     def logits(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,

@@ -31,6 +31,8 @@ from pdserve.engine.parallel import SINGLE, ParallelContext
 
 # Called after each layer has written its KV: the prefill worker streams that layer out.
 LayerHook = Callable[[int], None]
+# Runs one layer: (layer, rope, x, cache, meta, backend) -> x.
+RunLayer = Callable[..., torch.Tensor]
 
 _STACKED = (  # (our parameter, checkpoint name, shard id)
     ("qkv_proj", "q_proj", "q"),
@@ -127,13 +129,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend, layer_hook: LayerHook | None = None
-                ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+                backend: AttentionBackend, layer_hook: LayerHook | None = None,
+                run_layer: RunLayer | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `run_layer(layer, rope, x, cache,
+        meta, backend)` replaces the plain call of each layer (a compiled decode step)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(rope, x, caches[i], meta, backend)
+            if run_layer is None:
+                x = layer(rope, x, caches[i], meta, backend)
+            else:
+                x = run_layer(layer, rope, x, caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x)
