@@ -1,8 +1,8 @@
 """Decode speed on the real default model (SmolLM2-135M-Instruct, fp32): pdserve vs HF
 transformers, and weight bytes read per second over memory-copy bandwidth. Issue 15.
 
-    .venv/bin/python bench/decode_bench.py [--repeats 3] [--threads 2] [--skip-b32]
-        [--configs eager inductor reference]
+    .venv/bin/python bench/decode_bench.py [--repeats 3] [--threads 2]
+        [--configs eager inductor reference] [--batches 1 32] [--skip-hf]
 
 Engines (one process, all loaded at start; every repeat runs each of them in turn, so the
 machine's noise hits all alike; medians of the repeats, ratios within a repeat):
@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--configs", nargs="+", default=list(ENGINES), choices=list(ENGINES))
-    ap.add_argument("--skip-b32", action="store_true")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32], choices=[1, 32])
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--output", default="bench/results/decode.json")
     a = ap.parse_args()
@@ -138,22 +138,27 @@ def main() -> None:
         run_ours(llm, warm[0][:1], [4])
         run_ours(llm, warm[0][:3], [4, 4, 4])
     result: dict = {"threads": a.threads, "repeats": a.repeats}
-    rows, extra = measure(engines, hf, 1, a.repeats)
-    wb = weight_bytes(next(iter(engines.values())))
-    bw = [{"engine": r["engine"], "weight_MB": wb / 1e6,
-           "weight_GB_s": wb * r["tok_s"] / 1e9, "memcpy_GB_s": extra["memcpy_GB_s"],
-           "utilisation": wb * r["tok_s"] / (extra["memcpy_GB_s"] * 1e9)}
-          for r in rows if r["engine"] != "hf"]
-    result.update(batch1=rows, batch1_raw=extra, bandwidth=bw)
-    if not a.skip_b32:
-        rows32, extra32 = measure(engines, hf, 32, a.repeats)
-        result.update(batch32=rows32, batch32_raw=extra32)
-        rows += rows32
+    rows, bw = [], []
+    for batch in a.batches:
+        got, extra = measure(engines, hf, batch, a.repeats)
+        rows += got
+        result.update({f"batch{batch}": got, f"batch{batch}_raw": extra})
+        if batch == 1:
+            bw = bandwidth_rows(got, weight_bytes(next(iter(engines.values()))),
+                                extra["memcpy_GB_s"])
+            result["bandwidth"] = bw
     print(f"\nDecode, SmolLM2-135M-Instruct fp32, {a.threads} threads, medians of {a.repeats}")
     print_table(rows, ["batch", "engine", "tok_s", "vs_hf"])
-    print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
-    print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])
+    if bw:
+        print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
+        print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])
     print(f"\nwrote {write_json(a.output, result)}")
+
+
+def bandwidth_rows(rows: list[dict], wb: int, memcpy_gb_s: float) -> list[dict]:
+    return [{"engine": r["engine"], "weight_MB": wb / 1e6, "weight_GB_s": wb * r["tok_s"] / 1e9,
+             "memcpy_GB_s": memcpy_gb_s, "utilisation": wb * r["tok_s"] / (memcpy_gb_s * 1e9)}
+            for r in rows if r["engine"] != "hf"]
 
 
 if __name__ == "__main__":

@@ -70,7 +70,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA; on the CPU the C++ paged-attention kernels "
+                        "(built on first use), or torch where they cannot be built")
+    p.add_argument("--compile-decode", default="off", choices=["off", "inductor", "cuda_graphs"],
+                   help="decode steps eager (off), through torch.compile (inductor: compiles "
+                        "at the first decode step), or as CUDA graphs (cuda_graphs)")
     p.add_argument("--quantization", default=None)
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
@@ -115,7 +121,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
-        attention_backend=a.attention_backend, quantization=a.quantization,
+        attention_backend=a.attention_backend, compile_decode=a.compile_decode,
+        quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
         kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
