@@ -129,7 +129,9 @@ def decode_remote(w: Workers, rid: str, prompt: list[int], max_tokens: int) -> T
         raise RuntimeError("decode worker skipped the handshake")
     target = worker_pb.KVTarget(endpoints=ready.ready.endpoints,
                                 block_ids=ready.ready.block_ids,
-                                skip_blocks=ready.ready.cached_blocks)
+                                skip_blocks=ready.ready.cached_blocks,
+                                lease_s=ready.ready.kv_lease_s,
+                                kv_ticket=ready.ready.kv_ticket)
     resp = w.p.Prefill(worker_pb.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=_sampling(max_tokens), seed=1,
         target=target, deadline_unix_s=time.time() + RPC_TIMEOUT_S), timeout=RPC_TIMEOUT_S)

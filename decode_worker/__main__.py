@@ -11,7 +11,7 @@ import asyncio
 
 from decode_worker.service import DecodeService, expire_loop
 from kv_store.index.recorder import BlockRecorder
-from kv_store.transfer import KVReceiver, KVSender, TransferConfig
+from kv_store.transfer import KVReceiver, KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb
 from pdserve.serving.engine_loop import EngineLoop
@@ -34,10 +34,14 @@ async def serve(options: WorkerOptions) -> None:
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
-    # Signed pairs only; our own KV pushes listen on --host too.
-    transfer = TransferConfig(host=options.host, auth_key=options.security.kv_key())
-    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
+    # Signed pairs only; our own KV pushes listen on --host too; leases capped by ours.
+    transfer = options.lease.transfer_config(host=options.host,
+                                             auth_key=options.security.kv_key())
+    # Frames must carry the tag of the ticket their request was reserved with (`kv_sink`).
+    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer,
+                          tickets=service.sink.ticket)
     receiver.start()
+    service.kv_receiver = receiver
     service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes
     size = engine.tp.size
     service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),

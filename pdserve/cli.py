@@ -5,7 +5,7 @@
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
-    pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
+    pdserve ray up|status|scale|logs|down ...   (a Ray deployment: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
 
 PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
-    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
+    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | status | scale | logs | "
+                                        "down"))
     a = parser.parse_args(argv)
     return {"up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
             "demo-model": cmd_demo_model, "ray": cmd_ray}[a.cmd](a)
@@ -66,6 +67,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode worker")
     p.add_argument("--threads-per-worker", type=int, default=0)
     p.add_argument("--local-prefill-tokens", type=int, default=32)
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="most moves of one request to another worker after a worker fails it")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests move on")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
@@ -131,7 +136,9 @@ def cmd_up(a: argparse.Namespace) -> int:
                        worker_args=(*a.worker_arg, *_tier_worker_args(a)), log_dir=a.log_dir,
                        redis_url=a.redis, tls=a.tls == "auto", cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
-                                    "--http-port", str(a.http_port)))
+                                    "--http-port", str(a.http_port),
+                                    "--migration-limit", str(a.migration_limit),
+                                    "--heartbeat-timeout", str(a.heartbeat_timeout)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 
 from kv_store.index.recorder import BlockRecorder
-from kv_store.transfer import KVSender, TransferConfig
+from kv_store.transfer import KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
@@ -34,9 +34,9 @@ async def serve(options: WorkerOptions) -> None:
     link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
-    sender = KVSender(TransferConfig(host=options.host,
-                                     auth_key=options.security.kv_key()))  # signed pairs
-    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
+    sender = KVSender(options.lease.transfer_config(  # signed pairs, gloo bound to --host
+        host=options.host, auth_key=options.security.kv_key()))
+    streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer, recorder)

@@ -129,9 +129,9 @@ def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, Wo
     """The (prefill, decode) pools: the static lists, or empty ones that discovery fills."""
     # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
     prefix = index.prefix if index is not None else PrefixIndex()
-    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
-                                  prefix, events_from_stats=index is None,
-                                  security=cfg.internal)
+    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s,
+                                  cfg.heartbeat_timeout_s, prefix,
+                                  events_from_stats=index is None, security=cfg.internal)
                        for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
     return prefill, decode
 
@@ -172,6 +172,14 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
+    p.add_argument("--health-period", type=float, default=RouterConfig.health_period_s,
+                   metavar="S", help="how often each worker is polled (its heartbeat)")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=RouterConfig.heartbeat_timeout_s, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests migrate")
+    p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
+                   metavar="N", help="most moves of one request to another worker after a "
+                                     "worker failure (0: fail it instead)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve /metrics on a server of its own at --metrics-host:PORT "
                         "(0 = any free port; default -1: on the HTTP API's port)")
@@ -187,6 +195,10 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                 "discover the workers from its registry")
     if a.discover_wait < 0:
         p.error("--discover-wait must be >= 0")
+    if a.health_period <= 0 or a.heartbeat_timeout <= 0:
+        p.error("--health-period and --heartbeat-timeout must be > 0")
+    if a.migration_limit < 0:
+        p.error("--migration-limit must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     if a.metrics_port < -1 or a.metrics_port > 65535:
@@ -208,8 +220,9 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
-        discovery_wait_s=a.discover_wait, tls=tls, internal=internal,
-        metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        discovery_wait_s=a.discover_wait, health_period_s=a.health_period,
+        heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit, tls=tls,
+        internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_tokens=metrics_tokens), http
 
 

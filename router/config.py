@@ -29,9 +29,13 @@ class RouterConfig:
     default_timeout_s: float = 600.0
     """Deadline applied when the client sets none."""
     health_period_s: float = 1.0
-    """How often each worker's stats are polled."""
-    health_misses: int = 3
-    """Consecutive failed polls that take a worker out of its pool."""
+    """How often each worker's stats are polled (its heartbeat)."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker that has not answered a poll for this long leaves its pool, and the requests
+    in flight on it move to another worker (detected within this plus half a period)."""
+    migration_limit: int = 3
+    """How many times one request may move to another worker (its decode worker died,
+    stopped answering or ended it; its prefill worker was lost) before it fails."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted on the public API (empty = no auth)."""
     redis_url: str = field(default="", repr=False)

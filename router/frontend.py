@@ -11,12 +11,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from pdserve.engine.finish import FinishReason
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
 from router.config import RouterConfig
 from router.flow import FinishEvent, Flow, FlowTimings, TokenEvent
+from router.migration import MigrationPolicy
 from router.pool import WorkerPool
 from router.validation import ValidRequest
 
@@ -37,7 +39,7 @@ class OutputChunk:
     token_ids: list[int]
     text: str
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
 
 
@@ -48,7 +50,8 @@ class Frontend:
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
-                         random.Random(uuid.uuid4().int), config.routing)
+                         random.Random(uuid.uuid4().int), config.routing,
+                         MigrationPolicy(limit=config.migration_limit))
         counters = self.flow.counters  # the dict the flow increments in place
         self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
@@ -79,7 +82,7 @@ class Frontend:
                     yield OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [])
                     if delta.stopped:
                         trace.finish("OK")  # before the yield: the caller may stop reading
-                        yield OutputChunk([], "", [], "stop", Usage(n_prompt, sent, 0))
+                        yield OutputChunk([], "", [], FinishReason.STOP, Usage(n_prompt, sent, 0))
                         return
                 elif isinstance(ev, FinishEvent):
                     trace.finish("OK", ev.cached_tokens)

@@ -9,15 +9,12 @@ import uuid
 import grpc
 
 from pdserve.proto import pb, pb_grpc
+from pdserve.serving.convert import finish_to_pb
 from router.flow import FlowError
 from router.frontend import Frontend, OutputChunk
 from router.validation import validate
 
 log = logging.getLogger(__name__)
-
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-
 
 class PDServeService(pb_grpc.PDServeServicer):
     def __init__(self, frontend: Frontend, vocab_size: int, max_model_len: int,
@@ -53,7 +50,7 @@ class PDServeService(pb_grpc.PDServeServicer):
 
 def _to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
     msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason])
+                              logprobs=c.logprobs, finish_reason=finish_to_pb(c.finish_reason))
     if c.usage is not None:
         msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,
                                     completion_tokens=c.usage.completion_tokens,

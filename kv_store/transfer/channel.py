@@ -52,9 +52,9 @@ def build_channel(
     gloo = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, 2, opts)
     nccl = None
     if cuda_device is not None:
-        # Our own waits (transfer_timeout_s) time out first and abort the group; the NCCL
+        # Our own waits (io_timeout_s) time out first and abort the group; the NCCL
         # watchdog's limit is only a backstop, since by default it tears the process down.
-        watchdog_s = config.connect_timeout_s + 2 * config.transfer_timeout_s
+        watchdog_s = config.connect_timeout_s + 2 * config.io_timeout_s
         nccl = _nccl_group(dist.PrefixStore("nccl/", store), rank, watchdog_s)
     return Channel(gloo, rank, nccl, cuda_device, auth)
 

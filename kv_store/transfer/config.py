@@ -19,13 +19,16 @@ class TransferConfig:
     connect_timeout_s: float = 10.0
     """Longest wait for the TCPStore connection and the pair rendezvous of a new pair."""
 
-    transfer_timeout_s: float = 30.0
-    """Sender: longest wait for one wire operation and from `finish()` to the DONE marker being
-    sent. Receiver: longest time from a request's first message to its DONE marker."""
+    io_timeout_s: float = 30.0
+    """Longest one wire operation (sending or receiving one message) may block: a pair whose
+    peer stops reading or writing breaks after it."""
 
     lease_s: float = 60.0
-    """Sender-side lease: a transfer not completed this long after its first call fails, its
-    queued layers are dropped and the receiver is told (abort)."""
+    """Longest lease a transfer may hold, and the lease of one whose caller names none. A
+    transfer's lease starts with its first call on the sender; when it ends before the DONE
+    marker is on the wire, the sender drops the queued layers and tells the receiver (abort),
+    and the receiver, told the lease's remainder in every header, gives up at the same time.
+    Workers name every lease (`pdserve.serving.kv_lease.LeaseConfig`)."""
 
     max_pairs: int = 64
     """Most pair groups this process keeps open; the least recently used idle pair is closed to
@@ -67,7 +70,7 @@ class TransferConfig:
             raise ValueError(
                 f"TransferConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in (
-            "connect_timeout_s", "transfer_timeout_s", "lease_s", "idle_timeout_s",
+            "connect_timeout_s", "io_timeout_s", "lease_s", "idle_timeout_s",
             "close_timeout_s", "poll_interval_s",
         ):
             value = getattr(self, name)

@@ -5,6 +5,20 @@ least recently used idle pair is asked to close to make room), and the receive-s
 every request (state and deadline). Three kinds of threads: one accept loop, one receive loop
 per pair, one watchdog for deadlines. Sink calls for one request never overlap and never follow
 its terminal call (`on_done` or `on_failed`, exactly one of which is made per request).
+
+A request's deadline is its sender's lease: every LAYER/DONE header says what is left of it,
+and the request fails (`on_failed`) when it runs out before the DONE marker arrived.
+
+With a ticket book (`tickets`: the ticket of each request the owner expects now, handed out
+with its reservation) every LAYER/DONE/ABORT header must carry the tag of its request's
+current ticket (`auth.ticket_tag`) before it may touch a record, so no frame of another
+transfer (a cluster member that was not handed it, a late frame of an earlier attempt under
+the same id) writes into it, ends it, or ties it to a pair that then goes down:
+
+    header ─► tickets(rid) ─ None (not expected: ended, never reserved) ─► dropped
+                 │ ticket
+                 ├─ tag wrong ─► refused (counted in `frames_refused`), the pair goes on
+                 └─ tag right ─► the request's record, as below
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -43,8 +58,8 @@ class ReceiveSink(Protocol):
         receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes the keyword;
         it is only passed when non-zero."""
 
-    def on_done(self, request_id: str, meta: dict) -> None:
-        """Every layer of the request arrived; `meta` is what the sender passed to finish()."""
+    def on_done(self, request_id: str, body: bytes) -> None:
+        """Every layer of the request arrived; `body` is what the sender passed to finish()."""
 
     def on_failed(self, request_id: str, reason: str) -> None:
         """The sender aborted, the pair died mid-transfer, or the request timed out."""
@@ -66,14 +81,19 @@ class KVReceiver:
     """Accepts pairs from senders and delivers their layers to `sink`."""
 
     def __init__(
-        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None
+        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None,
+        tickets: Callable[[str], bytes | None] | None = None,
     ) -> None:
+        """`tickets(wire request id)`: the ticket that request's frames must be tagged under,
+        None if it is not expected (see the module docstring); None = frames are not bound
+        to tickets (transport tools and tests)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {type(host).__name__}")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self._config = config or TransferConfig()
         self._sink = sink
+        self._tickets = tickets
         self._host = host
         # Listen on exactly `host`: a TCPStore left to itself binds every interface.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -171,14 +191,16 @@ class KVReceiver:
     # ---- pair handler (called from pair threads) ---------------------------------------------
 
     def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
-        rec = self._record_for(pair, header.rid)
+        if not self._ticket_ok(pair, header):
+            return
+        rec = self._record_for(pair, header)
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
             self._stats.add_received(payload.numel() * payload.element_size())
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
-            self._deliver_done(rec, header.meta)
+            self._deliver_done(rec, header.body)
         else:
             self._fail(rec, f"sender aborted: {header.reason}")
 
@@ -193,16 +215,34 @@ class KVReceiver:
 
     # ---- delivery ----------------------------------------------------------------------------
 
-    def _record_for(self, pair: ReceiverPair, request_id: str) -> _Inbound | None:
+    def _ticket_ok(self, pair: ReceiverPair, header: Header) -> bool:
+        """May this frame go to its request? (See the module docstring.)"""
+        if self._tickets is None:
+            return True
+        ticket = self._tickets(header.rid)
+        if ticket is None:
+            log.debug("dropped a %s frame for %s: not expected", header.kind.value, header.rid)
+            return False
+        if auth.tag_matches(ticket, header):
+            return True
+        self._stats.record_frame_refused()
+        log.warning("refused a %s frame for %s from %s: not tagged under the ticket of the "
+                    "transfer this worker expects", header.kind.value, header.rid, pair.peer)
+        return False
+
+    def _record_for(self, pair: ReceiverPair, header: Header) -> _Inbound | None:
+        request_id = header.rid
+        now = time.monotonic()
+        lease_end = now + (header.lease_s if header.kind is not Kind.ABORT else 0.0)
         with self._lock:
             rec = self._records.get(request_id)
             if rec is None:
                 if self._history.get(request_id) is not None:
                     return None
-                now = time.monotonic()
-                rec = _Inbound(request_id, TransferState.PENDING,
-                               now + self._config.transfer_timeout_s, now)
+                rec = _Inbound(request_id, TransferState.PENDING, lease_end, now)
                 self._records[request_id] = rec
+            elif header.kind is not Kind.ABORT:
+                rec.deadline = min(rec.deadline, lease_end)  # the sender's lease, as it says
             if rec.pair is None:
                 rec.pair = pair
                 self._bound.setdefault(pair, set()).add(request_id)
@@ -224,13 +264,13 @@ class KVReceiver:
                 reason = f"sink rejected layer {header.layer}: {exc!r}"
         self._fail(rec, reason)
 
-    def _deliver_done(self, rec: _Inbound, meta: dict) -> None:
+    def _deliver_done(self, rec: _Inbound, body: bytes) -> None:
         with rec.deliver:
             if not self._begin(rec):
                 return
             with self._lock:
                 self._end_locked(rec, TransferState.DONE, "")
-            _call(self._sink.on_done, rec.request_id, meta)
+            _call(self._sink.on_done, rec.request_id, body)
 
     def _fail(self, rec: _Inbound, reason: str) -> None:
         with rec.deliver:
@@ -362,7 +402,7 @@ class KVReceiver:
                 expired = [r for r in self._records.values() if now >= r.deadline]
                 overdue = [p for p in self._pairs.values() if p.overdue(now)]
             for rec in expired:
-                self._fail(rec, "timed out waiting for the DONE marker")
+                self._fail(rec, "timed out: the lease ran out before the DONE marker")
             for pair in overdue:
                 pair.abort()
 

@@ -144,4 +144,4 @@ class ReceiverPair:
         nbytes = wire.payload_nbytes(header.shape, header.dtype)
         if nbytes > self._config.max_message_bytes:
             raise ProtocolError(f"payload of {nbytes} bytes exceeds max_message_bytes")
-        return self._channel.recv_payload(FORWARD_TAG, header, self._config.transfer_timeout_s)
+        return self._channel.recv_payload(FORWARD_TAG, header, self._config.io_timeout_s)

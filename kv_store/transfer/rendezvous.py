@@ -121,15 +121,25 @@ def offer(store: dist.Store, hello: Hello, timeout_s: float, key: bytes | None =
 
 
 def poll(store: dist.Store) -> list[tuple[int, Hello | ProtocolError]]:
-    """Receiver side: the pairs offered since the last call (never blocks)."""
+    """Receiver side: the pairs offered since the last call (never blocks). Anyone can push
+    to the queue, so an entry that is not a pair id, or whose hello is not in the store (a
+    sender writes its hello before it pushes its id), is skipped: waiting for it would stall
+    every real offer behind it."""
     offered: list[tuple[int, Hello | ProtocolError]] = []
     while True:
         try:
-            pair_id = int(store.queue_pop(_QUEUE, block=False))
+            entry = store.queue_pop(_QUEUE, block=False)
         except dist.QueueEmptyError:
             return offered
         try:
-            offered.append((pair_id, _decode_hello(store.get(f"pairs/{pair_id}/hello"))))
+            pair_id = int(entry)
+        except ValueError:
+            continue
+        key = f"pairs/{pair_id}/hello"
+        if not store.check([key]):
+            continue
+        try:
+            offered.append((pair_id, _decode_hello(store.get(key))))
         except ProtocolError as exc:
             offered.append((pair_id, exc))
 

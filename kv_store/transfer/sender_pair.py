@@ -196,7 +196,7 @@ class SenderPair:
             host=(cfg.host if cfg.host not in ("", "0.0.0.0", "::")
                   else rendezvous.local_host_for(host)),
             transport=self.transport,
-            quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.transfer_timeout_s,
+            quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.io_timeout_s,
         )
         pair_id, reply, keys = rendezvous.offer(self._store, hello, cfg.connect_timeout_s,
                                                 cfg.auth_key)
@@ -221,7 +221,7 @@ class SenderPair:
                 if item.ready is not None:  # order our stream after the producer's
                     torch.cuda.current_stream(item.payload.device).wait_event(item.ready)
                 nbytes = self._channel.send(FORWARD_TAG, item.header, item.payload,
-                                            self._config.transfer_timeout_s)
+                                            self._config.io_timeout_s)
                 self._listener.on_sent(self, item, nbytes)
         finally:
             with self._cv:

@@ -20,6 +20,7 @@ class TransferStats:
         self._done = 0
         self._failed = 0
         self._refused = 0
+        self._frames_refused = 0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def add_sent(self, nbytes: int) -> None:
@@ -44,6 +45,11 @@ class TransferStats:
         with self._lock:
             self._refused += 1
 
+    def record_frame_refused(self) -> None:
+        """A frame whose ticket tag did not match its request's ticket."""
+        with self._lock:
+            self._frames_refused += 1
+
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         with self._lock:
             lat = sorted(self._latencies)
@@ -53,6 +59,7 @@ class TransferStats:
                 "transfers_done": self._done,
                 "transfers_failed": self._failed,
                 "pairs_refused": self._refused,
+                "frames_refused": self._frames_refused,
                 "latency_s": _summary(lat),
             }
         out.update(extra)

@@ -4,30 +4,49 @@ One message on a pair is a frame of tensors sent in order on the same tag:
 
     int64[1] header length  →  uint8[length] msgpack header  →  payload tensor ("layer" only)
 
-The header is a msgpack map `{"v": VERSION, "kind": ..., ...}`; nothing is ever pickled. The
-payload moves as a raw tensor in its "carrier" dtype (fp8 travels as its uint8 bytes, since the
-collective backends do not know fp8). The rendezvous hello/reply documents use the same
-`pack`/`unpack` and therefore carry the version too.
+The header is a msgpack map `{"v": VERSION, "kind": ..., ...}` decoded into one frozen
+`Header`; nothing is ever pickled. The payload moves as a raw tensor in its "carrier" dtype
+(fp8 travels as its uint8 bytes, since the collective backends do not know fp8). The
+rendezvous hello/reply documents use the same `pack`/`unpack` and therefore carry the version
+too. What a DONE says is opaque here: `body` bytes that the transfer's users encode with their
+own versioned codec (`pdserve.serving.kv_messages`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import msgpack
 import torch
 
-VERSION = 3
+VERSION = 5
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
 #   2 — layer headers carry `head_start`: the global index of the payload's first KV head, so
 #       a slice of heads can travel between groups of different tensor-parallel degrees.
-#   3 — authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`; on a pair
-#       opened that way every header is preceded by a 32-byte HMAC over (sequence, header).
+#   3 — taken by two branches at once, each without the other's change, so no 3 speaks to
+#       the other 3:
+#       (security) authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`;
+#       on a pair opened that way every header is preceded by a 32-byte HMAC over (sequence,
+#       header).
+#       (lifecycle) DONE carries opaque `body` bytes (a typed message of the layer above)
+#       instead of a msgpack map; layer and DONE headers carry `lease_s`, what is left of the
+#       transfer's lease, so the receiver gives up on a request when its sender does.
+#   4 — both version-3 changes together: sealed headers (on authenticated pairs) whose LAYER
+#       and DONE carry `lease_s`, DONE an opaque `body`.
+#   5 — LAYER, DONE and ABORT carry `tag`: an HMAC of the header's other fields under the
+#       transfer's ticket, the random key the decode worker handed out with its reservation
+#       over the authenticated RPC (`auth.ticket_tag`); empty for a transfer without one.
+
+MAX_BODY_BYTES = 64 << 10
+"""Largest DONE body: it names a token or a count, never bulk data."""
+
+MAX_TAG_BYTES = 64
+"""Largest `tag` accepted (the tags made here are 32 bytes)."""
 
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""
@@ -56,7 +75,13 @@ class Kind(Enum):
 
 @dataclass(frozen=True)
 class Header:
-    """One decoded control message; which fields matter depends on `kind`."""
+    """One decoded control message; which fields matter depends on `kind`:
+
+        LAYER  rid, layer, blocks, shape, dtype, head_start, lease_s, tag  (a payload follows)
+        DONE   rid, body, lease_s, tag
+        ABORT  rid, reason, tag
+        CLOSE  reason
+    """
 
     kind: Kind
     rid: str = ""
@@ -65,8 +90,13 @@ class Header:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     head_start: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
+    body: bytes = b""
     reason: str = ""
+    lease_s: float = 0.0
+    """Seconds left of the request's lease when the message was queued (LAYER, DONE)."""
+    tag: bytes = b""
+    """HMAC of the fields above under the request's ticket (`auth.ticket_tag`; LAYER, DONE,
+    ABORT); b"" for a transfer that has no ticket."""
 
 
 def pack(doc: dict[str, Any]) -> bytes:
@@ -95,11 +125,13 @@ def encode_header(h: Header) -> bytes:
         doc["rid"] = h.rid
     if h.kind is Kind.LAYER:
         doc.update(layer=h.layer, blocks=list(h.blocks), shape=list(h.shape), dtype=h.dtype,
-                   head_start=h.head_start)
+                   head_start=h.head_start, lease_s=float(h.lease_s))
     elif h.kind is Kind.DONE:
-        doc["meta"] = h.meta
+        doc.update(body=bytes(h.body), lease_s=float(h.lease_s))
     else:
         doc["reason"] = h.reason
+    if h.kind is not Kind.CLOSE:
+        doc["tag"] = bytes(h.tag)
     return pack(doc)
 
 
@@ -115,14 +147,20 @@ def decode_header(data: bytes) -> Header:
     rid = _field(doc, "rid", str)
     if not rid:
         raise ProtocolError("field 'rid' is empty")
+    tag = _field(doc, "tag", bytes) if "tag" in doc else b""  # absent: an unbound transfer
+    if len(tag) > MAX_TAG_BYTES:
+        raise ProtocolError(f"field 'tag' has {len(tag)} bytes (max {MAX_TAG_BYTES})")
     if kind is Kind.DONE:
-        return Header(kind, rid=rid, meta=_field(doc, "meta", dict))
+        body = _field(doc, "body", bytes)
+        if len(body) > MAX_BODY_BYTES:
+            raise ProtocolError(f"field 'body' has {len(body)} bytes (max {MAX_BODY_BYTES})")
+        return Header(kind, rid=rid, body=body, lease_s=_lease(doc), tag=tag)
     if kind is Kind.ABORT:
-        return Header(kind, rid=rid, reason=_field(doc, "reason", str))
-    return _decode_layer(doc, rid)
+        return Header(kind, rid=rid, reason=_field(doc, "reason", str), tag=tag)
+    return _decode_layer(doc, rid, tag)
 
 
-def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
+def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
     layer = _field(doc, "layer", int)
     blocks = tuple(_field(doc, "blocks", list))
     shape = tuple(_field(doc, "shape", list))
@@ -141,7 +179,14 @@ def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
     if dtype not in _DTYPES:
         raise ProtocolError(f"field 'dtype' {dtype!r} is not one of {sorted(_DTYPES)}")
     return Header(Kind.LAYER, rid=rid, layer=layer, blocks=blocks, shape=shape, dtype=dtype,
-                  head_start=head_start)
+                  head_start=head_start, lease_s=_lease(doc), tag=tag)
+
+
+def _lease(doc: dict[str, Any]) -> float:
+    lease = _field(doc, "lease_s", float)
+    if not math.isfinite(lease):
+        raise ProtocolError(f"field 'lease_s' is not finite: {lease}")
+    return lease
 
 
 def _field(doc: dict[str, Any], name: str, kind: type) -> Any:

@@ -2,6 +2,13 @@
 
 Used directly by the workers (token ids in, `StepOutput`s out) and wrapped by `LLM` for
 offline use. A `layer_hook` passed to `step()` runs after each layer's KV is written.
+
+Workers whose KV comes from another worker use the remote-KV methods (`reserve_remote`,
+`activate_remote`, `fail_remote`; `reserve_pull`, `settle_pull`; see
+`pdserve.engine.remote_kv`) and nothing else of the scheduler or the block pool. A request may
+bring output it already generated elsewhere (`generated`, migration): it is prefilled with
+its prompt and then continues at the right token index, so seeded sampling, penalties and
+stop rules see exactly what an undisturbed run sees.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import graph_args
-from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.finish import FinishReason
+from pdserve.engine.kv_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig, parse_dtype
 from pdserve.engine.model_runner import ModelRunner
@@ -29,12 +37,13 @@ from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.kv_format import KVCacheFormat
+from pdserve.engine.remote_kv import KVReservation, NoKVCapacity, PullReservation
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampler import SamplingRow, TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
-from pdserve.engine.stop import apply_stop_rules
+from pdserve.engine.stop import apply_stop_rules, stop_reason
 
 # Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
 DEMOTE_AHEAD_PER_STEP = 2
@@ -110,25 +119,120 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, seed: int | None = None,
-                    status: RequestStatus = RequestStatus.WAITING) -> Request:
-        self.validate(prompt_token_ids, params)
-        if seed is None:
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        req = Request(request_id, list(prompt_token_ids), params, seed, status=status)
+                    generated: Sequence[int] = ()) -> Request:
+        """Queue a request. `generated`: output it already produced elsewhere (a migrated
+        request); it continues from there (check `continuation_finished` first)."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, generated)
         self.scheduler.add(req)
         return req
 
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, seed: int | None, generated: Sequence[int]
+                     ) -> Request:
+        self.validate(prompt_token_ids, params, generated)
+        if seed is None:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        return Request(request_id, list(prompt_token_ids), params, seed,
+                       output_token_ids=[int(t) for t in generated])
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 generated: Sequence[int] = ()) -> None:
+        """Raise ValueError naming what is wrong (reads fixed limits only: any thread)."""
         if len(prompt_token_ids) == 0:
             raise ValueError("prompt must not be empty")
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(prompt_token_ids)} tokens; the model's context "
                              f"is {self.max_model_len} (prompt must leave room for one token)")
-        bad = [t for t in prompt_token_ids if not 0 <= int(t) < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids contains ids outside [0, {self.vocab_size}): "
-                             f"{bad[:5]}")
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("generated", generated)):
+            bad = [t for t in ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"{name} contains ids outside [0, {self.vocab_size}): "
+                                 f"{bad[:5]}")
         params.validate_for_model(self.vocab_size)
+
+    def continuation_finished(self, num_prompt_tokens: int, params: SamplingParams,
+                              generated: Sequence[int]) -> FinishReason | None:
+        """Whether output already generated elsewhere ends the request by itself (its last
+        token stops it, or it is at its length limit): then there is nothing to continue."""
+        return stop_reason(params, num_prompt_tokens, generated, self.eos_token_ids,
+                           self.max_model_len)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.scheduler.requests
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """The paged KV cache, one tensor per layer (`[blocks, 2, kv heads, block size, d]`):
+        what a transfer writes into reserved blocks and reads out of pinned ones."""
+        return self.runner.caches
+
+    @property
+    def hash_extra(self) -> bytes:
+        """The block hash's `extra` (model, KV layout, block size): equal on two engines
+        exactly when their KV blocks are interchangeable."""
+        return self.scheduler.kv.hash_extra
+
+    # -- requests whose KV arrives from elsewhere (pdserve.engine.remote_kv) -----------------
+    def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
+                       params: SamplingParams, seed: int) -> KVReservation:
+        """Admit a request whose prompt a prefill worker computes: WAITING_FOR_KV, its prefix
+        hit taken and blocks held for the whole prompt. Raises ValueError (bad request) or
+        `NoKVCapacity`."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, ())
+        res = self.scheduler.reserve_remote(req)
+        if res is None:
+            raise NoKVCapacity(f"{self.pool.num_free} free KV blocks; the prompt needs "
+                               f"{cdiv(req.num_tokens, self.config.block_size)}")
+        return res
+
+    def activate_remote(self, request_id: str, first_token: int) -> StepOutput | None:
+        """All of a reserved request's KV landed: it runs with the prefill worker's first
+        token as its first output, stop rules applied to it. Returns its last output if that
+        token ended it (the token itself reached the client through the prefill worker), else
+        None; None as well when the request no longer waits (cancelled meanwhile)."""
+        req = self.scheduler.waiting_for_kv(request_id)
+        if req is None:
+            return None
+        _, reason = apply_stop_rules(req.params, req.num_prompt_tokens, 0, [first_token],
+                                     self.eos_token_ids, self.max_model_len)
+        self.scheduler.activate(request_id, first_token, reason)
+        if reason is None:
+            return None
+        return StepOutput(request_id, [], [], reason, req.num_prompt_tokens,
+                          max(req.num_cached_tokens, 0), len(req.output_token_ids))
+
+    def fail_remote(self, request_id: str) -> StepOutput | None:
+        """The KV hand-off of a request failed: it ends ABORTED, its blocks are freed.
+        Returns its last output, or None if it had ended already."""
+        req = self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+        if req is None:
+            return None
+        return StepOutput(request_id, [], [], FinishReason.ABORT, req.num_prompt_tokens, 0,
+                          len(req.output_token_ids))
+
+    def reserve_pull(self, request_id: str, prompt_token_ids: Sequence[int],
+                     params: SamplingParams, seed: int, source_blocks: int,
+                     generated: Sequence[int] = ()) -> PullReservation | None:
+        """Add a request and, if another worker holding `source_blocks` leading blocks of it
+        has more than this engine, reserve blocks to pull them into (PULLING). None: nothing
+        to pull, the request is queued as usual. Raises ValueError for a bad request."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, generated)
+        return self.scheduler.reserve_pull(req, source_blocks)
+
+    def pin_leading(self, token_ids: Sequence[int], start: int, end: int) -> list[int]:
+        """The pushing side of a pull: pin the run of blocks [start, end) of `token_ids` this
+        engine holds (hash and token ids checked; host/SSD blocks loaded), stopping at the
+        first miss; their KV can be read outside a step until `unpin`."""
+        return self.scheduler.kv.pin_leading(token_ids, start, end)
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        self.scheduler.kv.unpin(block_ids)
+
+    def settle_pull(self, request_id: str, landed: int) -> int:
+        """End a pull with `landed` leading blocks of its range in place (0: it failed): they
+        join the prefix cache, the others are freed, the request is queued and computes the
+        rest. The transfer must be stopped first: freed blocks are reused at once."""
+        return self.scheduler.settle_pull(request_id, landed)
 
     def close(self) -> None:
         """Stop the follower ranks of a tensor-parallel engine (no-op otherwise)."""
@@ -148,6 +252,16 @@ class LLMEngine:
         return self.scheduler.has_work
 
     # -- one step ------------------------------------------------------------------------
+    def plan(self) -> StepPlan:
+        """The next step's plan (for a caller that runs `execute` and `apply_results` itself,
+        e.g. with a layer hook built from the plan)."""
+        return self.scheduler.schedule()
+
+    @property
+    def stalled_on_io(self) -> bool:
+        """The last plan was empty only because waiting requests wait for their SSD reads."""
+        return self.scheduler.stalled_on_io
+
     def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if plan.is_empty:
@@ -180,10 +294,12 @@ class LLMEngine:
 
     def apply_results(self, plan: StepPlan, sampled: dict[str, list[int]],
                       logprobs: dict[str, list[TokenLogprobs | None]]) -> list[StepOutput]:
-        reasons: dict[str, str] = {}
+        reasons: dict[str, FinishReason] = {}
         for rid, tokens in sampled.items():
             req = self.scheduler.requests[rid]
-            kept, reason = apply_stop_rules(req, tokens, self.eos_token_ids, self.max_model_len)
+            kept, reason = apply_stop_rules(req.params, req.num_prompt_tokens,
+                                            len(req.output_token_ids), tokens,
+                                            self.eos_token_ids, self.max_model_len)
             sampled[rid] = kept
             if reason:
                 reasons[rid] = reason
@@ -194,7 +310,7 @@ class LLMEngine:
             new = sampled[rid]
             reason = reasons.get(rid)
             if reason:
-                self.scheduler.finish(rid, RequestStatus(reason))
+                self.scheduler.finish(rid, RequestStatus.finished(reason))
             outputs.append(StepOutput(
                 rid, new, logprobs[rid][:len(new)], reason, req.num_prompt_tokens,
                 max(req.num_cached_tokens, 0), len(req.output_token_ids)))
@@ -257,6 +373,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_for_kv": self.scheduler.num_waiting_for_kv,
             "queued_prefill_tokens": self.scheduler.num_queued_prefill_tokens,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,

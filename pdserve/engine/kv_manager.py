@@ -134,7 +134,8 @@ class KVCacheManager:
 
     def admit(self, req: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Take the prefix hit and allocate room for `num_new_tokens` more (mutates req and the
-        pool on success; changes nothing on failure)."""
+        pool on success; changes nothing on failure). Blocks the request held before (a
+        settled pull's) are dropped once the hit has taken its own references to them."""
         bs = self.block_size
         computed = len(cached_blocks) * bs
         need = cdiv(computed + num_new_tokens, bs) - len(cached_blocks)
@@ -142,13 +143,47 @@ class KVCacheManager:
         taken_from_free = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
         if need > self.pool.num_free - taken_from_free:
             return False
+        held = req.block_ids
         for b in cached_blocks:
             self.pool.take(b)
         new = self.pool.allocate(need)
         assert new is not None
         req.block_ids = cached_blocks + new
         req.num_computed_tokens = computed
+        self.pool.free(list(reversed(held)))
         return True
+
+    def reserve_pull(self, req: Request, source_blocks: int) -> tuple[int, list[int]] | None:
+        """Hold what a pull of `req`'s leading blocks needs: our own leading blocks [0, c)
+        pinned, fresh blocks for [c, m) where m is what the source holds, one token short of
+        the request's end (the last token is always computed). Returns (c, fresh blocks), or
+        None with nothing held when there is nothing to pull: we hold as much, no block is
+        free, or cached blocks could never be found (mutates req.block_ids and the pool)."""
+        if not self.pool.enable_caching:
+            return None
+        limit = min(source_blocks, (req.num_tokens - 1) // self.block_size)
+        own = self.pin_leading(req.all_token_ids, 0, limit)
+        fresh = self.pool.allocate(max(0, min(limit - len(own), self.pool.num_free))) or []
+        if not fresh:
+            self.unpin(own)
+            return None
+        req.block_ids = own + fresh
+        return len(own), fresh
+
+    def settle_pull(self, req: Request, start: int, landed: int) -> int:
+        """A pull into `req.block_ids[start:]` is over and `landed` leading blocks of it hold
+        their KV: publish those under their hashes (first writer wins: a block computed
+        meanwhile stays the findable one), free the rest; returns how many landed. Nothing
+        may write the freed blocks any more (the caller stopped the transfer first)."""
+        self.update_hashes(req)
+        bs, fresh = self.block_size, req.block_ids[start:]
+        landed = max(0, min(landed, len(fresh)))
+        for i in range(start, start + landed):
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i],
+                                  req.token_slice(i * bs, (i + 1) * bs))
+        self.pool.free(list(reversed(fresh[landed:])))
+        del req.block_ids[start + landed:]
+        return landed
 
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` beyond `req.num_computed_tokens` (mutates on success)."""

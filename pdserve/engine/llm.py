@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text_stream import TextStream
@@ -26,7 +27,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
 
@@ -99,7 +100,7 @@ class LLM:
         reason = out.finish_reason
         if delta.stopped and not out.finished:
             self.engine.finish_stopped(out.request_id)
-            reason = "stop"
+            reason = FinishReason.STOP
         if reason is None:
             return
         del pending[out.request_id]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 
 
@@ -14,7 +15,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int

@@ -13,6 +13,11 @@ Policy, in order:
    another for blocks. A prefix-cache hit is taken at admission. The one exception: a request
    whose prefix is being read from SSD (`KVCacheManager.prefix_ready`) stays in place while
    the requests behind it go ahead, so it waits only for its own blocks.
+
+Requests whose KV arrives from another worker wait outside both queues, in WAITING_FOR_KV
+(reserved for a remote prefill) or PULLING (a prefix being copied in); the scheduler owns
+those states too (`reserve_remote` / `activate`, `reserve_pull` / `settle_pull`; the
+lifecycle is drawn in `pdserve.engine.remote_kv`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.kv_manager import KVCacheManager
+from pdserve.engine.remote_kv import KVReservation, PullReservation
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -74,6 +81,7 @@ class Scheduler:
         self.stalled_on_io = False
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.pulls: dict[str, PullReservation] = {}  # of the PULLING requests
         self._release_listeners: list[Callable[[Request], None]] = []
 
     def add_release_listener(self, fn: Callable[[Request], None]) -> None:
@@ -83,22 +91,17 @@ class Scheduler:
 
     # -- queue management ----------------------------------------------------------------
     def add(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request_id {req.request_id!r} is already in flight")
-        self.requests[req.request_id] = req
-        if req.status is RequestStatus.WAITING:
-            self.waiting.append(req)
-
-    def activate(self, req: Request) -> None:
-        """Move a WAITING_FOR_KV request (blocks held, KV arrived) into the running set."""
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
+        """Queue a new request (WAITING) for admission."""
+        self._register(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
 
     def finish(self, request_id: str, status: RequestStatus) -> Request | None:
-        """End a request for any reason and release its blocks. Idempotent."""
+        """End a request for any reason, in any state, and release its blocks. Idempotent."""
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.pulls.pop(request_id, None)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -108,6 +111,83 @@ class Scheduler:
         for fn in self._release_listeners:
             fn(req)
         return req
+
+    def _register(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+
+    # -- requests whose KV arrives from elsewhere ------------------------------------------
+    def reserve_remote(self, req: Request) -> KVReservation | None:
+        """Admit a new request as WAITING_FOR_KV: take its prefix hit and hold blocks for its
+        whole prompt. None (and the request not added) when the blocks are not free."""
+        self._register(req)
+        req.status = RequestStatus.WAITING_FOR_KV
+        hits = self.kv.match_prefix(req)
+        if not self.kv.admit(req, hits, req.num_tokens - len(hits) * self.kv.block_size):
+            del self.requests[req.request_id]
+            return None
+        req.num_cached_tokens = req.num_computed_tokens
+        return KVReservation(req.request_id, tuple(req.block_ids), len(hits))
+
+    def waiting_for_kv(self, request_id: str) -> Request | None:
+        """The request, if it is WAITING_FOR_KV (read it, do not change it)."""
+        req = self.requests.get(request_id)
+        return req if req is not None and req.status is RequestStatus.WAITING_FOR_KV else None
+
+    def activate(self, request_id: str, first_token: int,
+                 reason: FinishReason | None) -> Request | None:
+        """Every part of a WAITING_FOR_KV request's prompt KV landed: the prompt counts as
+        computed (its blocks are published) and `first_token` (the prefill worker's) is its
+        first output. It runs, or ends at once if `reason` says that token ended it. None if
+        the request is not waiting for KV (cancelled meanwhile)."""
+        req = self.waiting_for_kv(request_id)
+        if req is None:
+            return None
+        req.num_computed_tokens = req.num_tokens
+        req.output_token_ids.append(first_token)
+        self.kv.publish(req)
+        if reason is not None:
+            self.finish(request_id, RequestStatus.finished(reason))
+        else:
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+        return req
+
+    def reserve_pull(self, req: Request, source_blocks: int) -> PullReservation | None:
+        """Add a new request whose leading blocks another worker holds (`source_blocks` of
+        them): PULLING, with its own prefix pinned and fresh blocks for the rest of the
+        source's. None when there is nothing to pull: the request is then simply WAITING."""
+        self._register(req)
+        got = self.kv.reserve_pull(req, source_blocks)
+        if got is None:
+            req.status = RequestStatus.WAITING
+            self.waiting.append(req)
+            return None
+        start, fresh = got
+        req.status = RequestStatus.PULLING
+        res = self.pulls[req.request_id] = PullReservation(
+            req.request_id, tuple(req.all_token_ids), start, tuple(fresh))
+        return res
+
+    def settle_pull(self, request_id: str, landed: int) -> int:
+        """A PULLING request's pull is over with `landed` leading blocks of it in place:
+        those are published, the others freed, and the request queues for admission (WAITING;
+        its prefix hit then covers what landed). Returns the blocks kept; 0 if the request is
+        not pulling (cancelled meanwhile). Nothing may write the freed blocks any more."""
+        res = self.pulls.pop(request_id, None)
+        req = self.requests.get(request_id)
+        if res is None or req is None:
+            return 0
+        kept = self.kv.settle_pull(req, res.start_block, landed)
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+        return kept
+
+    @property
+    def num_waiting_for_kv(self) -> int:
+        """Requests in WAITING_FOR_KV or PULLING (in neither queue)."""
+        return len(self.requests) - len(self.waiting) - len(self.running)
 
     @property
     def has_work(self) -> bool:

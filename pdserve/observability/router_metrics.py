@@ -40,7 +40,11 @@ FLOW_COUNTERS = {
                                "Prefetch hints that failed or timed out (only hints)."),
     "kv_pulls_routed": ("pdserve_router_kv_pulls_routed",
                         "Requests sent to a decode worker with a KV source to pull from."),
+    "migrations": ("pdserve_router_migrations",
+                   "Requests moved to another worker after a worker failed them."),
 }
+# Counted per cause under "migrations.<cause>" (router.migration.LostCause values).
+MIGRATION_CAUSES = ("decode_lost", "decode_unresponsive", "decode_ended", "prefill_lost")
 
 
 class RouterMetrics:
@@ -97,6 +101,12 @@ class FlowCounterCollector(Collector):
             fam = CounterMetricFamily(name, doc)
             fam.add_metric([], float(values.get(key, 0)))
             yield fam
+        fam = CounterMetricFamily("pdserve_router_migrations_by_cause",
+                                  "Requests moved to another worker, by what failed them.",
+                                  labels=["cause"])
+        for cause in MIGRATION_CAUSES:
+            fam.add_metric([cause], float(values.get(f"migrations.{cause}", 0)))
+        yield fam
 
 
 class RequestTrace:

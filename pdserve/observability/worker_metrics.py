@@ -166,6 +166,12 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
         fam.summary("kv_exposed_seconds", "Time a request waited for its KV after the "
                     "prefill finished (receiver side).", c["kv_transfers"],
                     c.get("kv_exposed_s", 0))
+    if "kv_frames_refused" in c:  # decode workers' receivers (security: docs/architecture)
+        fam.counter("kv_refused", "KV transfer pair offers and frames refused: a pair not "
+                    "signed with the cluster secret, a frame not tagged under its "
+                    "transfer's ticket.", by=("what",),
+                    series={("pair",): c.get("kv_pairs_refused", 0),
+                            ("frame",): c["kv_frames_refused"]})
 
 
 def _pull_families(fam: _Families, c: Mapping[str, float], pulls: bool) -> None:

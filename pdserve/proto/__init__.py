@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 # Revision of the worker API this tree implements, reported in WorkerInfo.api_version.
 # History: 1 - initial version.
 #          2 - PushKV and DecodeRequest.kv_source (a decode worker pulls a prefix).
-WORKER_API_VERSION = 2
+#          3 - DecodeRequest.generated_token_ids (migration), DecodeReady.kv_lease_s and
+#              KVTarget.lease_s (one lease per KV transfer, granted by the decode worker).
+#          4 - DecodeReady.kv_ticket, KVTarget.kv_ticket and PushKVRequest.kv_ticket: each
+#              transfer is bound to the ticket its decode worker handed out (KV frames not
+#              tagged under it are dropped; a prefill or push without one is refused).
+WORKER_API_VERSION = 4
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

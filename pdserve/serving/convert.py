@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pb
@@ -10,13 +11,25 @@ _OPTIONAL_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",
                     "logprobs")
 
-FINISH_TO_PB = {
-    None: pb.FINISH_REASON_UNSPECIFIED,
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
+_FINISH_TO_PB = {
+    None: "FINISH_REASON_UNSPECIFIED",
+    FinishReason.STOP: "FINISH_REASON_STOP",
+    FinishReason.LENGTH: "FINISH_REASON_LENGTH",
+    FinishReason.ABORT: "FINISH_REASON_ABORT",
 }
-FINISH_FROM_PB = {v: k for k, v in FINISH_TO_PB.items()}
+
+
+def finish_to_pb(reason: FinishReason | None) -> int:
+    """The public enum value of a finish reason (UNSPECIFIED while running)."""
+    return pb.FinishReason.Value(_FINISH_TO_PB[reason])
+
+
+def finish_from_pb(value: int) -> FinishReason:
+    """A finish reason from the wire; anything unknown or unset reads as ABORT."""
+    for reason, name in _FINISH_TO_PB.items():
+        if reason is not None and pb.FinishReason.Value(name) == value:
+            return reason
+    return FinishReason.ABORT
 
 
 def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import IO_STALL_WAIT_S, LLMEngine
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.outputs import StepOutput
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
-                stalled = not idle and self.engine.scheduler.stalled_on_io
+                stalled = not idle and self.engine.stalled_on_io
                 # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
                 self._drain_commands(block=(idle and not worked) or stalled,
                                      timeout_s=IO_STALL_WAIT_S if stalled else 0.5)
@@ -130,9 +131,9 @@ class EngineLoop:
 
     def _fail_all(self) -> None:
         for rid in list(self._streams):
-            self.push_finished(rid, "abort")
+            self.push_finished(rid, FinishReason.ABORT)
 
-    def push_finished(self, request_id: str, reason: str) -> None:
+    def push_finished(self, request_id: str, reason: FinishReason) -> None:
         """Tell a request's stream it ended outside a step (asyncio thread only)."""
         q = self._streams.get(request_id)
         if q is not None:

@@ -62,14 +62,16 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         stats = self.loop.stats  # never waits for a step: a long prefill is not a dead worker
         return worker_pb.WorkerStats(
             worker_id=self.options.worker_id, role=self.options.role,
-            num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"] + stats.get("num_waiting_for_kv", 0)),
             queued_prefill_tokens=int(stats["queued_prefill_tokens"]),
             kv_blocks_total=int(stats["kv_blocks_total"]),
             kv_blocks_used=int(stats["kv_blocks_used"]),
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
                       **{k: float(v) for k, v in stats.items()
-                         if k.startswith(("spec_", "kv_tier_"))}},
+                         if k.startswith(("spec_", "kv_tier_"))},
+                      **self.transfer_counters()},
             kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events))
 
     def _kv_events(self, snapshot: bool, take: bool) -> bytes:
@@ -83,13 +85,17 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
                       for tier, hashes in self.recorder.snapshot().items()]
         return encode_batch(events) if events else b""
 
+    def transfer_counters(self) -> dict[str, float]:
+        """Counters of the role's KV receiver, if it has one (none by default)."""
+        return {}
+
     async def GetInfo(self, request, context):
         e = self.loop.engine
         return worker_pb.WorkerInfo(
             worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
             max_model_len=e.max_model_len, endpoints=self.endpoints,
-            api_version=WORKER_API_VERSION, hash_extra=e.scheduler.kv.hash_extra)
+            api_version=WORKER_API_VERSION, hash_extra=e.hash_extra)
 
     async def Prefetch(self, request, context):
         """Start promoting the listed blocks SSD → host so they are warm on arrival."""
@@ -120,7 +126,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         any thread. `stats` is None if the engine is down."""
         stats = self.loop.stats if self.loop.alive else None
         # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
-        return WorkerSnapshot(stats, dict(self.counters), self.loop.steps)
+        return WorkerSnapshot(stats, {**self.counters, **self.transfer_counters()},
+                              self.loop.steps)
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:

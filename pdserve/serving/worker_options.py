@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.serving.kv_lease import LeaseConfig
 from pdserve.serving.security import ClientSecurity, InternalSecurity
 from pdserve.serving.security import args as security_args
 
@@ -44,6 +45,8 @@ class WorkerOptions:
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
     redis_ca: str = ""
     """PEM CA file of a `rediss://` server ("" = the system's roots)."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """The leases of this worker's KV hand-offs (`pdserve.serving.kv_lease`)."""
     security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
                                        hash=False)
     """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
@@ -93,6 +96,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-persist", action="store_true",
                    help="keep the SSD tier across restarts (needs a stable --worker-id: the "
                         "tier lives in DIR/<worker id>)")
+    p.add_argument("--kv-lease-s", type=float, default=LeaseConfig.kv_lease_s, metavar="S",
+                   help="lease of a prefill-to-decode KV transfer: from the decode worker's "
+                        "reservation until all of it landed (then it fails and the router "
+                        "moves the request on)")
+    p.add_argument("--kv-pull-lease-s", type=float, default=LeaseConfig.pull_lease_s,
+                   metavar="S", help="lease of a decode worker's pull of a prefix another "
+                                     "worker holds (then it recomputes)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
@@ -130,10 +140,11 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")
+    lease = LeaseConfig(kv_lease_s=a.kv_lease_s, pull_lease_s=a.kv_pull_lease_s)
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-                         redis_url=a.redis, redis_ca=a.redis_ca,
+                         redis_url=a.redis, redis_ca=a.redis_ca, lease=lease,
                          security=security_from_args(a))
 
 

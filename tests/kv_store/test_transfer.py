@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 import zlib
@@ -72,8 +74,8 @@ class RecordingSink:
             self.events.append(("layer", request_id, layer))
             self._cv.notify_all()
 
-    def on_done(self, request_id, meta):
-        self._record(("done", request_id, meta))
+    def on_done(self, request_id, body):
+        self._record(("done", request_id, body))
 
     def on_failed(self, request_id, reason):
         self._record(("failed", request_id, reason))
@@ -123,9 +125,9 @@ class AgentSink:
             self.devices.add(kv.device.type)
             self.events.append(["layer", request_id, layer, ok])
 
-    def on_done(self, request_id, meta):
+    def on_done(self, request_id, body):
         with self.lock:
-            self.events.append(["done", request_id, meta])
+            self.events.append(["done", request_id, body])
 
     def on_failed(self, request_id, reason):
         with self.lock:
@@ -146,18 +148,19 @@ class AgentState:
             self.senders[key] = KVSender(TransferConfig(**config))
         return self.senders[key]
 
-    def op_send(self, address, rid, layers, n, dtype, meta=None, config=None, abort=None,
-                finish=True, timeout=20.0):
+    def op_send(self, address, rid, layers, n, dtype, body=None, config=None, abort=None,
+                finish=True, timeout=20.0, lease_s=None, ticket=b""):
         sender = self.sender(config or {})
         for layer in range(layers):
             sender.send_layer(address, rid, layer, make_blocks(rid, n),
-                              make_kv(rid, layer, n, DTYPES[dtype]))
+                              make_kv(rid, layer, n, DTYPES[dtype]), lease_s=lease_s,
+                              ticket=ticket)
         if abort is not None:
             sender.abort(address, rid, abort)
         if abort is not None or not finish:
             return {"state": sender.state(rid).value}
         try:
-            result = sender.finish(address, rid, meta or {}).result(timeout)
+            result = sender.finish(address, rid, body or b"", ticket=ticket).result(timeout)
         except TransferError as exc:
             return {"state": sender.state(rid).value, "error": str(exc)}
         return {"state": sender.state(rid).value, "layers": result.layers,
@@ -170,7 +173,7 @@ class AgentState:
             for rid in rids:
                 sender.send_layer(address, rid, layer, make_blocks(rid, n),
                                   make_kv(rid, layer, n, DTYPES[dtype]))
-        futures = [sender.finish(address, rid, {"first_token": i}) for i, rid in enumerate(rids)]
+        futures = [sender.finish(address, rid, b"first %d" % i) for i, rid in enumerate(rids)]
         results = [f.result(timeout) for f in futures]
         return {"layers": [r.layers for r in results], "bytes": [r.bytes_sent for r in results]}
 
@@ -192,6 +195,14 @@ class AgentState:
             if time.monotonic() > end:
                 return {"events": events, "found": False}
             time.sleep(0.01)
+
+    def op_state(self, rid):
+        end = time.monotonic() + 10
+        while True:
+            states = {s.state(rid).value for s in self.senders.values()}
+            if states == {"failed"} or time.monotonic() > end:
+                return {"state": ",".join(sorted(states))}
+            time.sleep(0.02)
 
     def op_receiver_stats(self):
         return {"stats": self.receiver.stats()}
@@ -253,7 +264,8 @@ class Agent:
 @pytest.fixture(scope="module")
 def agents():
     """Two long-lived agents, plus two that a test may kill (all spawned in parallel)."""
-    started = {name: Agent() for name in ("a", "b", "doomed_sender", "doomed_receiver")}
+    started = {name: Agent() for name in ("a", "b", "doomed_sender", "doomed_receiver",
+                                          "stalled_sender")}
     yield started
     for agent in started.values():
         agent.stop()
@@ -295,7 +307,7 @@ def test_round_trip_is_bit_exact(agents, receiver, dtype):
     nbytes = layers * n * math.prod(BLOCK_SHAPE) * DTYPES[dtype].itemsize
     assert out == {"layers": [layers] * 3, "bytes": [nbytes] * 3}
     for i, rid in enumerate(rids):
-        assert receiver.sink.wait_for("done", rid)[2] == {"first_token": i}
+        assert receiver.sink.wait_for("done", rid)[2] == b"first %d" % i
         assert receiver.sink.kinds(rid) == ["layer"] * layers + ["done"]
         receiver.sink.assert_exact(rid, layers, n, DTYPES[dtype])
         assert receiver.state(rid) is TransferState.DONE
@@ -330,7 +342,7 @@ def test_one_sender_to_two_receivers(agents):
                 for layer in range(3):
                     sender.send_layer(address, rid, layer, make_blocks(rid, 4),
                                       make_kv(rid, layer, 4, torch.float32))
-                futures[rid] = sender.finish(address, rid, {"i": i})
+                futures[rid] = sender.finish(address, rid, bytes([i]))
         for future in futures.values():
             assert future.result(20).layers == 3
         assert sender.stats()["pairs_open"] == 2
@@ -340,7 +352,7 @@ def test_one_sender_to_two_receivers(agents):
             events = agents[name].call("events", kind="done", rid=rid)["events"]
             mine = [e for e in events if e[1] == rid]
             assert mine == [["layer", rid, 0, True], ["layer", rid, 1, True],
-                            ["layer", rid, 2, True], ["done", rid, {"i": i}]]
+                            ["layer", rid, 2, True], ["done", rid, bytes([i])]]
 
 
 def test_killed_sender_fails_its_transfer_on_the_receiver(agents, receiver):
@@ -360,7 +372,7 @@ def test_killed_sender_fails_its_transfer_on_the_receiver(agents, receiver):
 def test_killed_receiver_fails_the_sender_future(agents):
     doomed = agents["doomed_receiver"]
     address = doomed.call("receiver_start", config=FAST)["address"]
-    config = TransferConfig(transfer_timeout_s=5.0, **FAST)
+    config = TransferConfig(io_timeout_s=5.0, **FAST)
     with KVSender(config) as sender:
         sender.send_layer(address, "lost", 0, make_blocks("lost", 2),
                           make_kv("lost", 0, 2, torch.float32))
@@ -369,9 +381,9 @@ def test_killed_receiver_fails_the_sender_future(agents):
         for layer in (1, 2):
             sender.send_layer(address, "lost", layer, make_blocks("lost", 2),
                               make_kv("lost", layer, 2, torch.float32))
-        future = sender.finish(address, "lost", {})
+        future = sender.finish(address, "lost", b"")
         with pytest.raises(TransferError, match="lost"):
-            future.result(config.transfer_timeout_s + 5)
+            future.result(config.io_timeout_s + 5)
         assert sender.state("lost") is TransferState.FAILED
         assert sender.stats()["transfers_failed"] == 1
     assert wait_until(lambda: not pair_threads()), pair_threads()
@@ -415,22 +427,39 @@ def test_lease_expiry_fails_the_transfer_and_tells_the_receiver(agents):
                           make_kv("slow", 0, 2, torch.float32))
         assert wait_until(lambda: sender.state("slow") is TransferState.FAILED, 10)
         with pytest.raises(TransferError, match="lease"):
-            sender.finish(address, "slow", {}).result(1)
+            sender.finish(address, "slow", b"").result(1)
         assert sender.stats()["transfers_active"] == 0
     events = agents["b"].call("events", kind="failed", rid="slow")["events"]
     failed = [e for e in events if e[0] == "failed" and e[1] == "slow"]
     assert failed and "lease" in failed[0][2]
 
 
+def test_a_stalled_sender_loses_its_request_on_the_receiver_when_the_lease_ends(agents,
+                                                                              receiver):
+    stalled = agents["stalled_sender"]
+    stalled.call("send", address=receiver.address, rid="stall", layers=1, n=2,
+                 dtype="float32", finish=False, lease_s=1.0)
+    receiver.sink.wait_for("layer", "stall")
+    os.kill(stalled.proc.pid, signal.SIGSTOP)  # it can neither finish nor abort now
+    try:
+        reason = receiver.sink.wait_for("failed", "stall", timeout=10.0)[2]
+    finally:
+        os.kill(stalled.proc.pid, signal.SIGCONT)
+    assert "lease" in reason and receiver.state("stall") is TransferState.FAILED
+    # Back, the sender's own lease has run out too: its abort is dropped as late.
+    assert stalled.call("state", rid="stall")["state"] == "failed"
+    assert receiver.sink.kinds("stall") == ["layer", "failed"]
+
+
 def test_header_with_unknown_version_closes_the_pair(agents, monkeypatch):
     address = agents["b"].call("receiver_start", config=FAST)["address"]
-    with KVSender(TransferConfig(transfer_timeout_s=5.0, **FAST)) as sender:
+    with KVSender(TransferConfig(io_timeout_s=5.0, **FAST)) as sender:
         sender.send_layer(address, "v", 0, make_blocks("v", 2), make_kv("v", 0, 2, torch.float32))
         assert agents["b"].call("events", kind="layer", rid="v")["found"]
         monkeypatch.setattr(wire, "VERSION", wire.VERSION + 98)
         sender.send_layer(address, "v", 1, make_blocks("v", 2), make_kv("v", 1, 2, torch.float32))
         with pytest.raises(TransferError):
-            sender.finish(address, "v", {}).result(10)
+            sender.finish(address, "v", b"").result(10)
     events = agents["b"].call("events", kind="failed", rid="v")["events"]
     failed = [e for e in events if e[0] == "failed" and e[1] == "v"]
     assert failed and "version" in failed[0][2]
@@ -457,7 +486,7 @@ def test_pair_cap_evicts_lru_idle_pair_and_idle_pairs_close(agents):
 
     def send(sender, address, rid, finish=True):
         sender.send_layer(address, rid, 0, make_blocks(rid, 2), make_kv(rid, 0, 2, torch.float32))
-        return sender.finish(address, rid, {}) if finish else None
+        return sender.finish(address, rid, b"") if finish else None
 
     with KVSender(TransferConfig(max_pairs=1, idle_timeout_s=0.5, **FAST)) as sender:
         send(sender, addr_a, "cap-1").result(10)
@@ -526,7 +555,7 @@ def test_cuda_tensors_travel_over_nccl():
             for layer in range(3):
                 kv = make_kv("gpu", layer, 4, torch.bfloat16).cuda(0)
                 sender.send_layer(address, "gpu", layer, make_blocks("gpu", 4), kv)
-            assert sender.finish(address, "gpu", {}).result(60).layers == 3
+            assert sender.finish(address, "gpu", b"").result(60).layers == 3
         conn.send_bytes(b"report")
         assert conn.poll(30)
         events, devices = msgpack.unpackb(conn.recv_bytes())

@@ -18,7 +18,7 @@ class KVEndpoint(_message.Message):
     def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source", "generated_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -33,7 +34,8 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     deadline_unix_s: float
     kv_source: KVSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KVSource(_message.Message):
     __slots__ = ("address", "blocks")
@@ -44,14 +46,18 @@ class KVSource(_message.Message):
     def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeReady(_message.Message):
-    __slots__ = ("cached_blocks", "block_ids", "endpoints")
+    __slots__ = ("cached_blocks", "block_ids", "endpoints", "kv_lease_s", "kv_ticket")
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     cached_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
-    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ...) -> None: ...
+    kv_lease_s: float
+    kv_ticket: bytes
+    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., kv_lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -84,14 +90,18 @@ class DecodeEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[DecodeReady, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoints", "block_ids", "skip_blocks")
+    __slots__ = ("endpoints", "block_ids", "skip_blocks", "lease_s", "kv_ticket")
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_blocks: int
-    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    kv_ticket: bytes
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "target", "deadline_unix_s")
@@ -152,7 +162,7 @@ class PrefetchResponse(_message.Message):
     def __init__(self, blocks_promoted: _Optional[int] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra")
+    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra", "kv_ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +170,7 @@ class PushKVRequest(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_block: int
@@ -167,7 +178,8 @@ class PushKVRequest(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     hash_extra: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
+    kv_ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("blocks_sent", "kv_bytes")
