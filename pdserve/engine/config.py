@@ -30,7 +30,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes across requests."""
     attention_backend: str = "auto"
-    """torch (reference), triton, or auto (triton on CUDA)."""
+    """torch (reference), cpu (C++ paged attention reading blocks in place), triton, or auto
+    (triton on CUDA; on the CPU the C++ kernels when they build, else torch)."""
+    compile_decode: str = "off"
+    """How decode-only steps run: off (eager), inductor (torch.compile, CPU or GPU: the first
+    decode step compiles), cuda_graphs (CUDA: graphs captured for a ladder of batch sizes).
+    Needs a traceable attention backend (cpu, triton); others run eager."""
     tensor_parallel_size: int = 1
     """Ranks that shard each layer (see pdserve.engine.tp for the multi-process driver)."""
     enable_expert_parallel: bool = False
@@ -86,6 +91,9 @@ class EngineConfig:
             raise ValueError(f"lm_head_dtype must be auto, model, bf16 or int4, got "
                              f"{self.lm_head_dtype!r}")
         _check_tiers(self)
+        if self.compile_decode not in ("off", "inductor", "cuda_graphs"):
+            raise ValueError("compile_decode must be 'off', 'inductor' or 'cuda_graphs', got "
+                             f"{self.compile_decode!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")

@@ -27,6 +27,7 @@ from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.kv_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import load_model
@@ -106,9 +107,13 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
-        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend),
+        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend, self.device),
                                   config.block_size, self.device,
-                                  self.tp_driver.step if self.tp_driver else None)
+                                  self.tp_driver.step if self.tp_driver else None,
+                                  compile_decode=config.compile_decode,
+                                  graph_limits=graph_args(config.max_num_seqs,
+                                                          self.max_model_len,
+                                                          config.block_size))
         self._rng = random.Random(config.seed)
         self.vocab_size = self.model_config.vocab_size
         # Speculative decoding (None when off): drafts are proposed at the end of each step.
@@ -434,7 +439,9 @@ class LLMEngine:
                 continue
             req = self.scheduler.requests[c.request_id]
             for j in range(c.num_samples):
-                out = req.output_token_ids + c.spec_token_ids[:j]
+                # Read only during this step: the plain row shares the request's list.
+                out = (req.output_token_ids if j == 0
+                       else req.output_token_ids + c.spec_token_ids[:j])
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, out, req.seed,
                                         len(out), self.eos_token_ids))
                 owners.append(c.request_id)

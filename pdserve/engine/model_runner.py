@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.decode_step import build_decode_step
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pdserve.engine.scheduler import ScheduledChunk
@@ -73,7 +74,9 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor],
                  backend: AttentionBackend, block_size: int, device: torch.device,
                  before_forward: Callable[[Sequence[ScheduledChunk], dict | None], None]
-                 | None = None) -> None:
+                 | None = None, compile_decode: str = "off",
+                 graph_limits: dict | None = None) -> None:
+        """`compile_decode`: see EngineConfig; `graph_limits`: CudaGraphDecode's sizes."""
         self.model = model
         self.caches = caches
         self.backend = backend
@@ -82,6 +85,10 @@ class ModelRunner:
         self.sampler = Sampler()
         # Tensor parallelism: rank 0 broadcasts each step to the follower ranks first.
         self.before_forward = before_forward
+        # Decode-only steps through a compiled forward when the backend can be traced.
+        traceable = compile_decode != "off" and backend.traceable(caches[0])
+        self.decode_step = build_decode_step(compile_decode if traceable else "off",
+                                             model, device, **(graph_limits or {}))
 
     @torch.inference_mode()
     def logits(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
@@ -98,8 +105,13 @@ class ModelRunner:
         if self.before_forward is not None:
             self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
-                            self.backend, layer_hook)
+        meta = self.backend.prepare(batch.meta)  # once per step, not once per layer
+        if meta.is_decode_only and layer_hook is None:
+            hidden = self.decode_step(batch.input_ids, batch.positions, self.caches, meta,
+                                      self.backend)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.caches, meta,
+                                self.backend, layer_hook)
         if batch.sample_index.numel() == 0:
             logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
         else:

@@ -75,7 +75,13 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache budget, GiB (default: 1 on CPU, 80%% of free GPU memory)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="the same as --no-enable-prefix-caching")
-    p.add_argument("--attention-backend", default="auto", help="torch, triton or auto")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA; on the CPU the C++ paged-attention kernels "
+                        "(built on first use), or torch where they cannot be built")
+    p.add_argument("--compile-decode", default="off", choices=["off", "inductor", "cuda_graphs"],
+                   help="decode steps eager (off), through torch.compile (inductor: compiles "
+                        "at the first decode step), or as CUDA graphs (cuda_graphs)")
     p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "model", "bf16", "int4"),
                    help="lm_head under --quantization int4: auto, model, bf16 or int4")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
@@ -156,8 +162,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
-        attention_backend=a.attention_backend, quantization=a.quantization,
-        lm_head_dtype=a.lm_head_dtype,
+        attention_backend=a.attention_backend, compile_decode=a.compile_decode,
+        quantization=a.quantization, lm_head_dtype=a.lm_head_dtype,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec,
         model_id=a.model_id[0] if a.model_id else "",
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
