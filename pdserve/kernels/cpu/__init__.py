@@ -77,6 +77,7 @@ def build(name: str, flags: list[str], sources: tuple[Path, ...]) -> bool:
     (with a warning) if that fails."""
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     try:
         built = Path(cpp_extension._get_build_directory(name, verbose=False)) / f"{name}.so"
         if built.is_file():
@@ -90,6 +91,20 @@ def build(name: str, flags: list[str], sources: tuple[Path, ...]) -> bool:
                       "using the torch reference attention", RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def _put_ninja_on_path() -> None:
+    """torch's loader runs `ninja` from PATH; the one pip installed (the `ninja` dependency)
+    sits in the venv's bin, which is not on PATH when the venv is not activated."""
+    import shutil
+
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def main() -> None:
