@@ -10,8 +10,12 @@ gloo/NCCL as before. What this wrapper fixes, and why:
   not.
 - *Thread-safe.* Every pair thread of a process shares the agent: strict synchronisation.
 - *Bound to the worker's address.* UCX's TCP transport listens on every interface unless told
-  otherwise; `UCX_NET_DEVICES` is set to the interface that holds the worker's `--host`
-  (unless the operator set it), so a worker listens nowhere else.
+  otherwise. A worker on a loopback address can only have peers on this host, so UCX gets
+  only its shared-memory transports (`self,sm,cma`: no socket at all; their endpoints have no
+  peer-failure handler, so UCX's error handling is off — a dead peer still fails the write,
+  and the gloo control pair notices it anyway); any other address limits `UCX_NET_DEVICES`
+  to the interface that holds it. What the operator set in `UCX_TLS` / `UCX_NET_DEVICES`
+  wins.
 - *Quiet stdout.* NIXL logs INFO lines to stdout, where workers announce `PDSERVE_READY`: its
   logger is sent through the process's logging at WARNING instead.
 
@@ -86,14 +90,14 @@ class NixlAgent:
         """`host`: the worker's bind address (UCX listens only on its interface);
         `NixlUnavailable` if NIXL or its UCX backend cannot start here."""
         nixl = load_nixl()
-        _bind_ucx_to(host)
+        params = configure_ucx(host)
         self.name = name or f"pdserve-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}"
         cfg = nixl.nixl_agent_config(
             enable_prog_thread=False, backends=[],
             sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
         try:
             self._agent = nixl.nixl_agent(self.name, cfg)
-            self._agent.create_backend("UCX", {})
+            self._agent.create_backend("UCX", params)
         except Exception as exc:  # nixlBackendError and friends
             raise NixlUnavailable(f"NIXL's UCX backend does not start: {exc}") from None
         self._lock = threading.Lock()
@@ -161,6 +165,15 @@ class NixlAgent:
         except Exception as exc:  # the remote ranges are not registered there, or no peer
             raise NixlWriteError(f"cannot write to {peer}: {exc}") from None
         try:
+            self._complete(handle, peer, timeout_s)
+        finally:
+            try:
+                handle.release()
+            except Exception as exc:  # an in-flight request that cannot be cancelled
+                log.warning("releasing a NIXL transfer to %s: %s", peer, exc)
+
+    def _complete(self, handle, peer: str, timeout_s: float) -> None:
+        try:
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + timeout_s
             pause = 0.0
@@ -171,13 +184,12 @@ class NixlAgent:
                     time.sleep(pause)
                 pause = min(0.001, pause * 2 or 0.00002)  # CMA completes at once; TCP polls
                 state = self._agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise NixlWriteError(f"write to {peer} failed ({state})")
-        finally:
-            try:
-                handle.release()
-            except Exception as exc:  # an in-flight request that cannot be cancelled
-                log.warning("releasing a NIXL transfer to %s: %s", peer, exc)
+        except NixlWriteError:
+            raise
+        except Exception as exc:  # nixlRemoteDisconnectError: the receiver is gone
+            raise NixlWriteError(f"write to {peer} failed: {exc}") from None
+        if state != "DONE":
+            raise NixlWriteError(f"write to {peer} failed ({state})")
 
     def close(self) -> None:
         """Stop the ticker and unload the peers (idempotent)."""
@@ -196,15 +208,33 @@ class NixlAgent:
                 return
 
 
-def _bind_ucx_to(host: str) -> None:
-    """Limit UCX's network devices to the interface of `host` (unless already configured)."""
-    if host in _WILDCARDS or os.environ.get(UCX_DEVICES_ENV):
-        return
-    name = interface_of(host)
-    if name is None:
-        log.warning("no network interface holds %s: NIXL's UCX may listen on every one", host)
-        return
-    os.environ[UCX_DEVICES_ENV] = name  # UCX reads it when the backend starts
+UCX_TLS_ENV = "UCX_TLS"
+SAME_HOST_TLS = "self,sm,cma"
+_NETWORK_TLS = ("tcp", "rc", "ud", "dc", "ib", "all", "srd", "gga")
+
+
+def configure_ucx(host: str) -> dict[str, str]:
+    """Point UCX at `host` (see the module docstring): sets `UCX_TLS` for a loopback host or
+    `UCX_NET_DEVICES` for another, unless the operator did; the UCX backend's parameters."""
+    if _is_loopback(host):
+        os.environ.setdefault(UCX_TLS_ENV, SAME_HOST_TLS)  # UCX reads it at backend start
+    elif host not in _WILDCARDS and not os.environ.get(UCX_DEVICES_ENV):
+        name = interface_of(host)
+        if name is None:
+            log.warning("no network interface holds %s: NIXL's UCX may listen on every one",
+                        host)
+        else:
+            os.environ[UCX_DEVICES_ENV] = name
+    tls = os.environ.get(UCX_TLS_ENV, "")
+    networked = not tls or any(t in tls for t in _NETWORK_TLS)
+    return {"ucx_error_handling_mode": "peer" if networked else "none"}
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def interface_of(host: str) -> str | None:

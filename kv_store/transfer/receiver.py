@@ -220,7 +220,7 @@ class KVReceiver:
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
-            self._stats.add_received(payload.numel() * payload.element_size())
+            self._stats.add_received(payload.numel() * payload.element_size(), header.slot >= 0)
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
             self._deliver_done(rec, header.body)

@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 #          4 - DecodeReady.kv_ticket, KVTarget.kv_ticket and PushKVRequest.kv_ticket: each
 #              transfer is bound to the ticket its decode worker handed out (KV frames not
 #              tagged under it are dropped; a prefill or push without one is refused).
-WORKER_API_VERSION = 4
+#          5 - KVEndpoint.nixl: a receiver's NIXL landing pool (agent metadata and slot
+#              layout), sent with the endpoints of DecodeReady / KVTarget / PushKVRequest
+#              only (never in WorkerInfo); senders with NIXL write KV into it.
+WORKER_API_VERSION = 5
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",
