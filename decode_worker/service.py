@@ -34,7 +34,7 @@ import grpc
 
 from decode_worker.kv_pull import KVPuller
 from decode_worker.kv_sink import DecodeKVSink, Ending
-from decode_worker.tp_follower import KVCancel, KVExpect, endpoint_key, ready_key
+from decode_worker.tp_follower import KVCancel, KVExpect, endpoint_key, nixl_key, ready_key
 from kv_store.transfer import new_ticket
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.finish import FinishReason
@@ -66,22 +66,29 @@ class DecodeService(WorkerServicerBase):
         self.kv_receiver = None  # rank 0's KVReceiver, set by the entry point
 
     def transfer_counters(self) -> dict[str, float]:
-        """What rank 0's receiver refused: pair offers (bad signature, foreign version, no
-        room) and frames not tagged under their transfer's ticket."""
+        """What rank 0's receiver refused — pair offers (bad signature, foreign version, no
+        room) and frames not tagged under their transfer's ticket — and the KV bytes it took
+        in, in all and through NIXL landing slots."""
         if self.kv_receiver is None:
             return {}
         s = self.kv_receiver.stats()
         return {"kv_pairs_refused": float(s["pairs_refused"]),
-                "kv_frames_refused": float(s["frames_refused"])}
+                "kv_frames_refused": float(s["frames_refused"]),
+                "kv_bytes_received": float(s["bytes_received"]),
+                "kv_bytes_received_nixl": float(s["bytes_received_nixl"])}
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
-        """The KV receivers of follower ranks (they publish them in the group's store)."""
+        """The KV receivers of follower ranks, with their NIXL landing pools (they publish
+        both in the group's store)."""
         if self.follower_store is None:
             return []
-        keys = [endpoint_key(r) for r in range(1, self.tp_size)]
+        ranks = range(1, self.tp_size)
+        keys = [endpoint_key(r) for r in ranks] + [nixl_key(r) for r in ranks]
         self.follower_store.wait(keys, timedelta(seconds=timeout_s))
-        return [worker_pb.KVEndpoint(address=self.follower_store.get(k).decode(), tp_rank=r,
-                                     tp_size=self.tp_size) for r, k in enumerate(keys, 1)]
+        return [worker_pb.KVEndpoint(address=self.follower_store.get(endpoint_key(r)).decode(),
+                                     tp_rank=r, tp_size=self.tp_size,
+                                     nixl=self.follower_store.get(nixl_key(r)))
+                for r in ranks]
 
     # -- RPCs ----------------------------------------------------------------------------
     async def Decode(self, request, context):

@@ -97,6 +97,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-dir", default=None,
                    help="SSD KV tier directory (each worker uses DIR/<worker id>)")
     p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier per worker, GiB")
+    p.add_argument("--kv-transport", choices=("nixl", "nccl", "gloo"), default=None,
+                   help="what carries KV between workers: nixl (the workers' default; gloo "
+                        "where NIXL does not load), nccl (CUDA KV) or gloo")
     # The name of worker_options.REDIS_URL_ENV, spelled out: the CLI imports nothing heavy.
     p.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
                    help="Redis KV index for the router and workers, redis://:password@host:port/db "
@@ -197,6 +200,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                   f"{cluster.ca_path} ...); gone when the cluster stops", flush=True)
         for c in cluster.children:
             extra = f"  kv {c.info['kv_address']}" if "kv_address" in c.info else ""
+            extra += f" ({c.info['kv_transport']})" if "kv_transport" in c.info else ""
             print(f"  {c.name:<10} grpc://{c.info['address']}{extra}", flush=True)
         if a.redis:
             print("  discovery      more workers join with: pdserve decode-worker|prefill-worker "
@@ -306,7 +310,7 @@ def api_router_args(a: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
-    """The KV tier flags of `pdserve up`, as worker flags (only those that are set)."""
+    """The KV tier and transport flags of `pdserve up`, as worker flags (only those set)."""
     out: list[str] = []
     if a.kv_host_gb:
         out.append(f"--kv-host-gb={a.kv_host_gb}")
@@ -314,4 +318,6 @@ def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
         out.append(f"--kv-ssd-dir={a.kv_ssd_dir}")
     if a.kv_ssd_gb:
         out.append(f"--kv-ssd-gb={a.kv_ssd_gb}")
+    if a.kv_transport:
+        out.append(f"--kv-transport={a.kv_transport}")
     return tuple(out)

@@ -110,8 +110,9 @@ class PrefillService(WorkerServicerBase):
                 engine.add_request(rid, ids, first, request.seed)
                 endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
                              for e in target.endpoints]
+                peers = tuple((e.address, bytes(e.nixl)) for e in target.endpoints)
                 self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks,
-                                  lease, bytes(target.kv_ticket))
+                                  lease, bytes(target.kv_ticket), peers)
             try:
                 await self.loop.call(admit)
             except ValueError as exc:

@@ -180,6 +180,11 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
                     "transfer's ticket.", by=("what",),
                     series={("pair",): c.get("kv_pairs_refused", 0),
                             ("frame",): c["kv_frames_refused"]})
+    if "kv_bytes_received" in c:  # decode workers' receivers, by payload path
+        total, nixl = c["kv_bytes_received"], c.get("kv_bytes_received_nixl", 0)
+        fam.counter("kv_received_bytes", "KV payload bytes received, by transport (NIXL "
+                    "landing slots, or inline on gloo/NCCL).", by=("transport",),
+                    series={("nixl",): nixl, ("inline",): max(total - nixl, 0)})
 
 
 def _pull_families(fam: _Families, c: Mapping[str, float], pulls: bool) -> None:

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
 #          5 - prompt logprobs (PrefillResponse, TokenBatch); logit_bias and structured
 #              outputs in SamplingParams; DecodeRequest.n (choices forked on the decode
 #              worker), TokenBatch.index and DecodeFinished.index.
-WORKER_API_VERSION = 5
+#          6 - KVEndpoint.nixl: a receiver's NIXL landing pool (agent metadata and slot
+#              layout), sent with the endpoints of DecodeReady / KVTarget / PushKVRequest
+#              only (never in WorkerInfo); senders with NIXL write KV into it.
+WORKER_API_VERSION = 6
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

@@ -33,6 +33,7 @@ from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
+from pdserve.serving.kv_transport import KV_TRANSPORT_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
@@ -95,7 +96,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         return worker_pb.WorkerInfo(
             worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
-            max_model_len=e.max_model_len, endpoints=self.endpoints,
+            max_model_len=e.max_model_len, endpoints=public_endpoints(self.endpoints),
             api_version=WORKER_API_VERSION, hash_extra=e.hash_extra)
 
     async def Prefetch(self, request, context):
@@ -131,6 +132,12 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         e = self.loop.engine
         return WorkerSnapshot(stats, {**self.counters, **self.transfer_counters()},
                               self.loop.steps, e.model_id, e.config.block_size)
+
+
+def public_endpoints(endpoints: list[worker_pb.KVEndpoint]) -> list[worker_pb.KVEndpoint]:
+    """The endpoints without their NIXL landing pools: those go only with a hand-off."""
+    return [worker_pb.KVEndpoint(address=e.address, tp_rank=e.tp_rank, tp_size=e.tp_size)
+            for e in endpoints]
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:
@@ -230,5 +237,6 @@ def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
         parser.error(str(exc))
     if args.cluster_secret_file:  # its tensor-parallel followers (children) read it too
         os.environ[CLUSTER_SECRET_FILE_ENV] = args.cluster_secret_file
+    os.environ[KV_TRANSPORT_ENV] = options.kv_transport  # and use the same transport
     configure_process(options)
     asyncio.run(serve(options))

@@ -10,6 +10,7 @@ from typing import Any
 
 from pdserve.engine.config import EngineConfig
 from pdserve.serving.kv_lease import LeaseConfig
+from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
 from pdserve.serving.security import ClientSecurity, InternalSecurity
 from pdserve.serving.security import args as security_args
 
@@ -47,6 +48,8 @@ class WorkerOptions:
     """PEM CA file of a `rediss://` server ("" = the system's roots)."""
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     """The leases of this worker's KV hand-offs (`pdserve.serving.kv_lease`)."""
+    kv_transport: str = "nixl"
+    """What carries KV payloads: nixl | nccl | gloo (`pdserve.serving.kv_transport`)."""
     security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
                                        hash=False)
     """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
@@ -103,6 +106,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pull-lease-s", type=float, default=LeaseConfig.pull_lease_s,
                    metavar="S", help="lease of a decode worker's pull of a prefix another "
                                      "worker holds (then it recomputes)")
+    p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=default_kv_transport(),
+                   help="what carries KV payloads between workers: nixl (default; gloo where "
+                        "NIXL does not load), nccl (CUDA KV) or gloo (default: "
+                        "$PDSERVE_KV_TRANSPORT, else nixl)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
@@ -177,6 +184,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                          redis_url=a.redis, redis_ca=a.redis_ca, lease=lease,
+                         kv_transport=check_kv_transport(a.kv_transport),
                          security=security_from_args(a))
 
 

@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEndpoint(_message.Message):
-    __slots__ = ("address", "tp_rank", "tp_size")
+    __slots__ = ("address", "tp_rank", "tp_size", "nixl")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     address: str
     tp_rank: int
     tp_size: int
-    def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    nixl: bytes
+    def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., nixl: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source", "generated_token_ids", "n")
