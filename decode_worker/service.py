@@ -12,7 +12,10 @@ A disaggregated request's life on this worker (all of it through the engine's re
 
 With `local_prefill` the request skips the transfer and is prefilled here; with `kv_source`
 too, it first pulls the prefix from the worker that holds it (`kv_pull`). A migrated request
-brings `generated_token_ids` (what the client already has) and continues after them.
+brings `generated_token_ids` (what the client already has) and continues after them. With
+`n` > 1 the engine forks choices 1..n-1 (ids "<id>.c<j>") from the request once its prompt's
+KV is in; one stream carries every choice's events, tagged with their index, and ends after
+the last one's `finished`.
 
 The ticket binds the transfer to this hand-off: only frames tagged under it land in the
 reserved blocks (`kv_store.transfer.auth`), and it leaves this worker only in `ready`, on the
@@ -31,12 +34,13 @@ import grpc
 
 from decode_worker.kv_pull import KVPuller
 from decode_worker.kv_sink import DecodeKVSink, Ending
-from decode_worker.tp_follower import KVCancel, KVExpect, endpoint_key, ready_key
+from decode_worker.tp_follower import KVCancel, KVExpect, endpoint_key, nixl_key, ready_key
 from kv_store.transfer import new_ticket
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.remote_kv import NoKVCapacity
+from pdserve.engine.sampler import choice_seed
 from pdserve.proto import worker_pb
 from pdserve.serving.convert import finish_to_pb, logprobs_to_pb, params_from_pb
 from pdserve.serving.engine_loop import EngineLoop
@@ -62,63 +66,81 @@ class DecodeService(WorkerServicerBase):
         self.kv_receiver = None  # rank 0's KVReceiver, set by the entry point
 
     def transfer_counters(self) -> dict[str, float]:
-        """What rank 0's receiver refused: pair offers (bad signature, foreign version, no
-        room) and frames not tagged under their transfer's ticket."""
+        """What rank 0's receiver refused — pair offers (bad signature, foreign version, no
+        room) and frames not tagged under their transfer's ticket — and the KV bytes it took
+        in, in all and through NIXL landing slots."""
         if self.kv_receiver is None:
             return {}
         s = self.kv_receiver.stats()
         return {"kv_pairs_refused": float(s["pairs_refused"]),
-                "kv_frames_refused": float(s["frames_refused"])}
+                "kv_frames_refused": float(s["frames_refused"]),
+                "kv_bytes_received": float(s["bytes_received"]),
+                "kv_bytes_received_nixl": float(s["bytes_received_nixl"])}
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
-        """The KV receivers of follower ranks (they publish them in the group's store)."""
+        """The KV receivers of follower ranks, with their NIXL landing pools (they publish
+        both in the group's store)."""
         if self.follower_store is None:
             return []
-        keys = [endpoint_key(r) for r in range(1, self.tp_size)]
+        ranks = range(1, self.tp_size)
+        keys = [endpoint_key(r) for r in ranks] + [nixl_key(r) for r in ranks]
         self.follower_store.wait(keys, timedelta(seconds=timeout_s))
-        return [worker_pb.KVEndpoint(address=self.follower_store.get(k).decode(), tp_rank=r,
-                                     tp_size=self.tp_size) for r, k in enumerate(keys, 1)]
+        return [worker_pb.KVEndpoint(address=self.follower_store.get(endpoint_key(r)).decode(),
+                                     tp_rank=r, tp_size=self.tp_size,
+                                     nixl=self.follower_store.get(nixl_key(r)))
+                for r in ranks]
 
     # -- RPCs ----------------------------------------------------------------------------
     async def Decode(self, request, context):
         rid = request.request_id
         try:
             params = params_from_pb(request.sampling)
+            # Off the engine thread and the event loop; the engine then hits the cache.
+            await asyncio.to_thread(self.loop.engine.compile_grammar, params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        stream = self.loop.open_stream(rid)
-        finished = False
+        forks = [(f"{rid}.c{j}", choice_seed(request.seed, j)) for j in range(1, request.n)]
+        index = {rid: 0, **{child: j for j, (child, _) in enumerate(forks, 1)}}
+        stream = self.loop.open_stream(rid, *(child for child, _ in forks))
+        running = set(index)
         try:
-            ready, over = await self._admit(request, rid, params, context)
+            ready, over = await self._admit(request, rid, params, forks, context)
             yield worker_pb.DecodeEvent(ready=ready)
             if over is not None:  # a continuation whose earlier output already ended it
-                finished = True
+                running.clear()
                 yield self._finished(StepOutput(rid, [], [], over, len(request.prompt_token_ids),
                                                 0, len(request.generated_token_ids)))
                 return
-            while True:
+            while running:
                 out: StepOutput = await stream.get()
+                i = index.get(out.request_id)
+                if i is None or out.request_id not in running:
+                    continue
                 if out.new_token_ids:
                     yield worker_pb.DecodeEvent(tokens=worker_pb.TokenBatch(
-                        token_ids=out.new_token_ids, logprobs=logprobs_to_pb(out.new_logprobs)))
+                        token_ids=out.new_token_ids, logprobs=logprobs_to_pb(out.new_logprobs),
+                        prompt_logprobs=logprobs_to_pb(out.prompt_logprobs or []), index=i))
                 if out.finished:
-                    finished = True
-                    await self._check_end(rid, context)
-                    yield self._finished(out)
-                    return
+                    running.discard(out.request_id)
+                    await self._check_end(out.request_id, context)
+                    yield self._finished(out, i)
         finally:
-            self.loop.close_stream(rid)
+            self.loop.close_stream(rid, *(child for child, _ in forks))
             self._failed.pop(rid, None)
-            if not finished:
-                await self._abort(rid)
+            for left in running:
+                await self._abort(left)
 
     async def Abort(self, request, context):
-        return worker_pb.AbortResponse(found=await self._abort(request.request_id))
+        found = await self._abort(request.request_id)
+        if found:  # its Decode stream (one choice of a forked request, say) learns it ended
+            self.loop.push_finished(request.request_id, FinishReason.ABORT)
+        return worker_pb.AbortResponse(found=found)
 
-    def _finished(self, out: StepOutput) -> worker_pb.DecodeEvent:
+    def _finished(self, out: StepOutput, index: int = 0) -> worker_pb.DecodeEvent:
         return worker_pb.DecodeEvent(finished=worker_pb.DecodeFinished(
             reason=finish_to_pb(out.finish_reason), prompt_tokens=out.num_prompt_tokens,
-            completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens))
+            completion_tokens=out.num_output_tokens, cached_tokens=out.num_cached_tokens,
+            index=index))
 
     async def _check_end(self, rid: str, context) -> None:
         """A request that ended because its hand-off failed, or because the engine died, is
@@ -132,23 +154,25 @@ class DecodeService(WorkerServicerBase):
             await context.abort(grpc.StatusCode.ABORTED, error)
 
     # -- admission -----------------------------------------------------------------------
-    async def _admit(self, request, rid, params, context
+    async def _admit(self, request, rid, params, forks, context
                      ) -> tuple[worker_pb.DecodeReady, FinishReason | None]:
-        """Reserve or add the request; the `ready` event, and the finish reason of a
-        continuation that has nothing left to generate."""
+        """Reserve or add the request (and its forks); the `ready` event, and the finish
+        reason of a continuation that has nothing left to generate."""
         ids, generated = list(request.prompt_token_ids), list(request.generated_token_ids)
         try:
             if generated and not request.local_prefill:
                 raise ValueError("generated_token_ids needs local_prefill (a continuation is "
                                  "computed by the decode worker)")
+            if forks and (generated or request.HasField("kv_source")):
+                raise ValueError("n > 1 cannot continue earlier output or pull a prefix")
             if request.local_prefill:
-                over = await self._add_local(request, rid, ids, params, generated)
+                over = await self._add_local(request, rid, ids, params, generated, forks)
                 self.count("local_prefills")
                 return worker_pb.DecodeReady(), over
             lease = Lease.start(self.options.lease.kv_lease_s, request.deadline_unix_s)
             ticket = new_ticket()
             res = await self.loop.call(
-                lambda e: self._reserve(e, rid, ids, params, request.seed, lease, ticket))
+                lambda e: self._reserve(e, rid, ids, params, request.seed, lease, ticket, forks))
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoKVCapacity as exc:
@@ -161,7 +185,8 @@ class DecodeService(WorkerServicerBase):
                                      endpoints=self.endpoints, kv_lease_s=lease.left(),
                                      kv_ticket=ticket), None
 
-    async def _add_local(self, request, rid, ids, params, generated) -> FinishReason | None:
+    async def _add_local(self, request, rid, ids, params, generated, forks=()
+                         ) -> FinishReason | None:
         """Add a request prefilled here, after pulling its prefix when the router says
         another worker holds it. A continuation is checked against its earlier output."""
         engine = self.loop.engine  # validate / continuation_finished read fixed limits only
@@ -176,14 +201,14 @@ class DecodeService(WorkerServicerBase):
                                          request.kv_source, request.deadline_unix_s)
         else:
             await self.loop.call(lambda e: e.add_request(rid, ids, params, request.seed,
-                                                         generated))
+                                                         generated, forks))
         return None
 
     def _reserve(self, engine: LLMEngine, rid, ids, params, seed, lease: Lease,
-                 ticket: bytes):
+                 ticket: bytes, forks=()):
         """Engine thread: hold the prompt's blocks and expect their KV, under `ticket`, on
         every rank, before the router (and so the prefill worker) learns where to send it."""
-        res = engine.reserve_remote(rid, ids, params, seed)
+        res = engine.reserve_remote(rid, ids, params, seed, forks)
         self.sink.expect(rid, res.block_ids, res.cached_blocks, lease, ticket)
         if engine.tp_driver is not None:
             engine.tp_driver.call(KVExpect(rid, res.block_ids, res.cached_blocks,

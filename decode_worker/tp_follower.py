@@ -16,6 +16,7 @@ from kv_store.transfer import KVReceiver
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import Lease, LeaseConfig
 from pdserve.serving.kv_messages import PrefillDone, PullDone
+from pdserve.serving.kv_transport import default_kv_transport, open_kv_transport
 from pdserve.serving.security.config import kv_auth_key
 
 
@@ -25,6 +26,11 @@ def ready_key(request_id: str, rank: int) -> str:
 
 def endpoint_key(rank: int) -> str:
     return f"kv_endpoint/{rank}"
+
+
+def nixl_key(rank: int) -> str:
+    """Where a follower publishes its NIXL landing pool (empty: none)."""
+    return f"kv_nixl/{rank}"
 
 
 @dataclass(frozen=True)
@@ -77,10 +83,14 @@ class DecodeFollower(FollowerPlugin):
             head_start=heads.start, primary=False)
         # Follower ranks are started by rank 0 with its engine options only: they take the
         # default cap on leases; every lease they enforce comes from rank 0's messages. The
-        # KV key comes from the environment rank 0 passed down (signed pairs only).
-        config = LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key())
-        self.receiver = KVReceiver(host, 0, self.sink, config, tickets=self.sink.ticket)
+        # KV key and transport come from the environment rank 0 passed down.
+        self.kv = open_kv_transport(default_kv_transport(), host)
+        config = LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key(),
+                                               backend=self.kv.backend)
+        self.receiver = KVReceiver(host, 0, self.sink, config, tickets=self.sink.ticket,
+                                   nixl=self.kv.nixl, nixl_device=engine.kv_caches[0].device)
         self.receiver.start()
+        store.set(nixl_key(self.rank), self.receiver.nixl_descriptor)
         store.set(endpoint_key(self.rank), self.receiver.address)
 
     def on_message(self, msg: dict) -> None:
@@ -93,3 +103,4 @@ class DecodeFollower(FollowerPlugin):
 
     def close(self) -> None:
         self.receiver.close()
+        self.kv.close()

@@ -68,8 +68,10 @@ class Tokenizer:
         self._set_post_processor(add_bos_token, add_eos_token)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load from a HF model directory (tokenizer.json is required)."""
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None
+                        ) -> Tokenizer:
+        """Load from a HF model directory (tokenizer.json is required); `chat_template`
+        replaces the model's own (vLLM's --chat-template)."""
         root = Path(model_dir)
         if not (root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"model_dir {root}: no tokenizer.json")
@@ -83,7 +85,7 @@ class Tokenizer:
             unk_token=_token_content(config.get("unk_token")),
             add_bos_token=config.get("add_bos_token"),
             add_eos_token=config.get("add_eos_token"),
-            chat_template=_find_chat_template(root, config),
+            chat_template=chat_template or _find_chat_template(root, config),
             extra_eos_token_ids=_config_eos_ids(root),
         )
 
@@ -98,6 +100,12 @@ class Tokenizer:
                     {k: v for k, v in config.items() if v is not None})
         _write_json(out / "generation_config.json", {"eos_token_id": sorted(self.eos_token_ids)})
         return out
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template (vLLM's --chat-template); the backend is
+        shared (its BOS/EOS post-processor is already set, so it is left as it is)."""
+        return Tokenizer(self._backend, **self._special, chat_template=chat_template,
+                         extra_eos_token_ids=sorted(self.eos_token_ids))
 
     # -- vocabulary ------------------------------------------------------------------------------
 
@@ -165,28 +173,37 @@ class Tokenizer:
         return self._chat_template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[dict] | None = None, **kwargs: Any
     ) -> str:
         """Render messages with the model's chat template (sandboxed jinja2, like transformers).
 
-        The result already holds any BOS the template writes: encode it with
-        add_special_tokens=False (see `encode_chat`). Raises ValueError for a model without a
-        template, for malformed messages and for errors the template raises.
+        `tools` (OpenAI function definitions) reach the template as `tools`;
+        `continue_final_message` cuts the text right after the last message's content, so
+        the model continues that message (transformers' rule). The result already holds any
+        BOS the template writes: encode it with add_special_tokens=False (see `encode_chat`).
+        Raises ValueError for a model without a template, for malformed messages and for
+        errors the template raises.
         """
         _check_messages(messages)
-        context = {**self._special, **kwargs, "messages": messages,
-                   "add_generation_prompt": add_generation_prompt}
+        context = {**self._special, "tools": tools, "documents": None, **kwargs,
+                   "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._compiled_template.render(**context)
+            text = self._compiled_template.render(**context)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        return _continue_final(text, messages) if continue_final_message else text
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[dict] | None = None,
+        add_special_tokens: bool = False, **kwargs: Any
     ) -> list[int]:
-        """Token ids of a chat prompt: the rendered template, no special tokens added again."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        """Token ids of a chat prompt: the rendered template; special tokens are not added
+        again unless asked (vLLM's add_special_tokens)."""
+        text = self.apply_chat_template(messages, add_generation_prompt,
+                                        continue_final_message, tools, **kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
@@ -244,6 +261,19 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env
+
+
+def _continue_final(text: str, messages: list[dict]) -> str:
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message is set but the final message does not "
+                         "appear in the rendered chat template")
+    keep = len(final.lstrip()) if text[at:at + len(final.lstrip())] == final.lstrip() \
+        else len(final.strip())
+    return text[:at + keep]
 
 
 def _check_messages(messages: Any) -> None:

@@ -15,6 +15,7 @@ from kv_store.transfer import KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
+from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
     announce_ready,
     drain,
@@ -34,8 +35,10 @@ async def serve(options: WorkerOptions) -> None:
     link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
+    kv = open_kv_transport(options.kv_transport, options.host)
     sender = KVSender(options.lease.transfer_config(  # signed pairs, gloo bound to --host
-        host=options.host, auth_key=options.security.kv_key()))
+        host=options.host, auth_key=options.security.kv_key(), backend=kv.backend),
+        nixl=kv.nixl)
     streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
                           engine.kv_layout, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
@@ -49,7 +52,7 @@ async def serve(options: WorkerOptions) -> None:
     if link is not None:
         await link.attach(address, worker_info(options, engine))
     announce_ready({"role": "prefill", "worker_id": options.worker_id,
-                    "address": address, **telemetry.ready_info()})
+                    "address": address, "kv_transport": kv.name, **telemetry.ready_info()})
 
     async def cleanup() -> None:
         # A prefill answers before its KV has reached the decode worker: wait for that too.
@@ -57,6 +60,7 @@ async def serve(options: WorkerOptions) -> None:
         loop.stop()
         engine.close()
         sender.close()
+        kv.close()
         telemetry.close()
 
     await wait_for_signal(cleanup)

@@ -17,7 +17,9 @@ The `PrefillDone` with the first token goes to the decode group's rank 0; every 
 Every send carries what is left of the decode worker's lease on the blocks (`KVTarget`):
 past it, the sender drops the transfer, as the decode worker does (`pdserve.serving.kv_lease`).
 Every frame is tagged under the transfer's ticket (`KVTarget.kv_ticket`, which the decode
-worker made for this reservation); follower ranks get it in their `BlockSend`.
+worker made for this reservation); follower ranks get it in their `BlockSend`. So do the
+decode ranks' NIXL landing pools (`KVEndpoint.nixl`): a sender with NIXL writes into them,
+one without, or a rank that offers none, uses gloo.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from pdserve.serving.kv_lease import Lease
 from pdserve.serving.kv_messages import PartsDone, PrefillDone
 
 Endpoint = tuple[str, int, int]  # (address, tp_rank, tp_size) of a decode-side receiver
+Peers = tuple[tuple[str, bytes], ...]  # (address, NIXL landing pool) of decode-side receivers
 
 
 @dataclass
@@ -45,6 +48,7 @@ class KVTarget:
     next_block: int  # first prompt block not yet sent
     lease: Lease  # the decode worker's lease on those blocks
     ticket: bytes  # the decode worker's ticket for this transfer
+    peers: Peers = ()  # the decode ranks' NIXL landing pools
     bytes_sent: int = 0
 
 
@@ -57,16 +61,18 @@ class BlockSend:
     last: bool  # this step completes the prompt: DONE follows
     lease_s: float  # what is left of the transfer's lease (follower ranks start theirs here)
     ticket: bytes = field(repr=False)  # tags every frame (`KVTarget.ticket`)
+    peers: Peers = field(default=(), repr=False)  # `KVTarget.peers`
 
     def to_wire(self) -> list:
         return [self.request_id, [list(e) for e in self.endpoints], self.src, self.dst,
-                self.last, self.lease_s, self.ticket]
+                self.last, self.lease_s, self.ticket, [list(p) for p in self.peers]]
 
     @classmethod
     def from_wire(cls, row: list) -> BlockSend:
-        rid, eps, src, dst, last, lease_s, ticket = row
+        rid, eps, src, dst, last, lease_s, ticket, peers = row
         return cls(rid, [(str(a), int(r), int(s)) for a, r, s in eps], list(src), list(dst),
-                   bool(last), float(lease_s), bytes(ticket))
+                   bool(last), float(lease_s), bytes(ticket),
+                   tuple((str(a), bytes(d)) for a, d in peers))
 
 
 @dataclass
@@ -83,9 +89,13 @@ class KVStreamer:
     _ranks: dict[str, int] = field(default_factory=dict)  # decode rank of each address seen
 
     def add(self, request_id: str, endpoints: Sequence[Endpoint], block_ids: list[int],
-            skip: int, lease: Lease, ticket: bytes) -> None:
+            skip: int, lease: Lease, ticket: bytes, peers: Peers = ()) -> None:
+        """Stream `request_id`'s blocks to these decode ranks (`peers`: their NIXL landing
+        pools; `ValueError` for a malformed one)."""
+        for address, descriptor in peers:
+            self.sender.add_peer(address, descriptor)
         self.targets[request_id] = KVTarget(list(endpoints), list(block_ids), skip, lease,
-                                            ticket)
+                                            ticket, tuple(peers))
         self._ranks.update((address, rank) for address, rank, _ in endpoints)
 
     def plan_sends(self, plan: StepPlan) -> list[BlockSend]:
@@ -101,13 +111,17 @@ class KVStreamer:
                 sends.append(BlockSend(chunk.request_id, t.endpoints,
                                        chunk.block_ids[first:last + 1],
                                        t.block_ids[first:last + 1], chunk.num_samples > 0,
-                                       t.lease.left(), t.ticket))
+                                       t.lease.left(), t.ticket, t.peers))
                 t.next_block = max(first, end // self.block_size)
         return sends
 
     def layer_hook(self, sends: Sequence[BlockSend]) -> LayerHook | None:
         if not sends:
             return None
+        if self.tp_rank:  # rank 0 registered them in `add`
+            for s in sends:
+                for address, descriptor in s.peers:
+                    self.sender.add_peer(address, descriptor)
         routes = {id(s): self._routes(s.endpoints) for s in sends}
         local0 = self.layout.heads_of(self.tp_rank, self.tp_size).start
 

@@ -12,6 +12,7 @@ decode worker's lease (`KVTarget.lease_s`), and every frame is tagged under its 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -22,7 +23,7 @@ from kv_store.transfer.auth import TICKET_BYTES
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.proto import worker_pb
-from pdserve.serving.convert import logprob_to_pb, params_from_pb
+from pdserve.serving.convert import logprob_to_pb, logprobs_to_pb, params_from_pb
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.kv_lease import Lease
 from pdserve.serving.kv_messages import PrefillDone
@@ -86,6 +87,8 @@ class PrefillService(WorkerServicerBase):
             # Only the first token is sampled here; min_tokens still masks EOS at step 0.
             first = dataclasses.replace(params, max_tokens=1,
                                         min_tokens=min(params.min_tokens, 1), stop=())
+            # Off the engine thread and the event loop; the engine then hits the cache.
+            await asyncio.to_thread(self.loop.engine.compile_grammar, first)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         target = request.target
@@ -107,8 +110,9 @@ class PrefillService(WorkerServicerBase):
                 engine.add_request(rid, ids, first, request.seed)
                 endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
                              for e in target.endpoints]
+                peers = tuple((e.address, bytes(e.nixl)) for e in target.endpoints)
                 self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks,
-                                  lease, bytes(target.kv_ticket))
+                                  lease, bytes(target.kv_ticket), peers)
             try:
                 await self.loop.call(admit)
             except ValueError as exc:
@@ -131,7 +135,8 @@ class PrefillService(WorkerServicerBase):
                 token_id=out.new_token_ids[0],
                 logprob=logprob_to_pb(lp) if lp is not None else None,
                 cached_tokens=out.num_cached_tokens, queue_s=queue_s, compute_s=compute_s,
-                kv_bytes=self._kv_bytes(rid))
+                kv_bytes=self._kv_bytes(rid),
+                prompt_logprobs=logprobs_to_pb(out.prompt_logprobs or []))
         finally:
             self._marks.pop(rid, None)
             self.streamer.sent_bytes.pop(rid, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kv_store.transfer import KVSender
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import LeaseConfig
+from pdserve.serving.kv_transport import default_kv_transport, open_kv_transport
 from pdserve.serving.security.config import kv_auth_key
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
@@ -12,8 +13,11 @@ from prefill_worker.kv_streamer import BlockSend, KVStreamer
 class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
-        # Every lease comes from rank 0's sends; the default config only caps them.
-        self.sender = KVSender(LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key()))
+        # Every lease comes from rank 0's sends; the default config only caps them. The KV
+        # key and transport come from the environment rank 0 passed down.
+        self.kv = open_kv_transport(default_kv_transport(), host)
+        self.sender = KVSender(LeaseConfig().transfer_config(
+            host=host, auth_key=kv_auth_key(), backend=self.kv.backend), nixl=self.kv.nixl)
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
                                    engine.kv_layout, ctx.rank, ctx.size)
@@ -30,3 +34,4 @@ class PrefillFollower(FollowerPlugin):
 
     def close(self) -> None:
         self.sender.close()
+        self.kv.close()

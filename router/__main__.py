@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.default_model import ensure_default_model
@@ -27,6 +28,7 @@ from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
+from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.security import ClientSecurity, TLSError
@@ -35,9 +37,12 @@ from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
-from router.frontend import Frontend
+from router.frontend import FinishRules, Frontend
 from router.membership import Membership
 from router.openai import HttpConfig, OpenAIServer, ServedModel
+from router.openai.server import ApiOptions
+from router.openai.tool_parsers import PARSERS
+from router.openai.tools import ToolConfig
 from router.pool import WorkerPool
 from router.service import PDServeService
 
@@ -68,6 +73,8 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     index = await open_index(cfg.redis_url, cfg.redis_ca)
     checkpoint = open_checkpoint(cfg.model)
     tokenizer = checkpoint.tokenizer()
+    if cfg.chat_template:
+        tokenizer = tokenizer.with_chat_template(cfg.chat_template)
     model_cfg = checkpoint.model_config
     prefill, decode = make_pools(cfg, index)
     await asyncio.gather(prefill.start(), decode.start())
@@ -84,9 +91,13 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
         model_id, max_len = served_model(cfg, checkpoint, infos)
-    metrics = RouterMetrics()
-    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics)
-    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id)
+    metrics = RouterMetrics(model_name=model_id)
+    metrics.registry.register(ClusterCollector(
+        model_id, lambda: cluster_state(metrics, prefill, decode)))
+    rules = FinishRules(checkpoint.eos_token_ids, max_len)
+    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
+    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id,
+                             ToolConfig(cfg.tool_call_parser, cfg.enable_auto_tool_choice))
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
@@ -103,9 +114,11 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         ready["metrics_address"] = metrics_server.address
     http = None
     if http_cfg is not None:
-        served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()))
+        served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
+                             root=cfg.model, aliases=cfg.model_aliases)
         http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
-                            metrics=metrics.registry if metrics_server is None else None)
+                            metrics=metrics.registry if metrics_server is None else None,
+                            before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
@@ -123,6 +136,21 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
             await index.close()
 
     await wait_for_signal(cleanup)
+
+
+def cluster_state(metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool
+                  ) -> ClusterState:
+    """vLLM's engine-state figures for the whole cluster: requests from the router's own
+    count (exact, live), KV usage of the decode pool, cache counters of every worker."""
+    p, d = prefill.totals(), decode.totals()
+    return ClusterState(metrics.running, metrics.waiting, d.kv_blocks_used, d.kv_blocks_total,
+                        p.prefix_cache_queries + d.prefix_cache_queries,
+                        p.prefix_cache_hits + d.prefix_cache_hits,
+                        p.preemptions + d.preemptions, d.block_size)
+
+
+async def refresh_pools(*pools: WorkerPool) -> None:
+    await asyncio.gather(*(pool.refresh_stats() for pool in pools))
 
 
 def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, WorkerPool]:
@@ -156,7 +184,20 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="comma-separated host:port list (none with --redis: discovery mode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--model-id", default="")
+    p.add_argument("--served-model-name", "--model-id", dest="model_id", nargs="+",
+                   default=[], metavar="NAME",
+                   help="the model's name in requests and responses (more names: aliases); "
+                        "default: the workers' (the checkpoint directory's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool calls are found in the model's output with tool_choice "
+                        "auto: hermes (<tool_call> JSON, Qwen2.5 / SmolLM2) or llama3_json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (needs --tool-call-parser)')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
                    help="worker choice: KV-aware (default) or round-robin (a baseline)")
@@ -203,6 +244,8 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     if a.metrics_port < -1 or a.metrics_port > 65535:
         p.error("--metrics-port must be -1 (on the HTTP port), 0 (any free port) or a port")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
     try:
         tls = security_args.server_tls(a)
@@ -211,19 +254,36 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         metrics_tokens = security_args.metrics_tokens(a)
     except (TLSError, ValueError) as exc:
         p.error(str(exc))
+    api = ApiOptions(ToolConfig(a.tool_call_parser, a.enable_auto_tool_choice),
+                     a.enable_prompt_tokens_details)
     http = None if a.http_port == -1 else HttpConfig(
         host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens,
         metrics_tokens=metrics_tokens,
-        ssl_context=tls.ssl_context() if tls is not None else None)
+        ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
         model=a.model or str(ensure_default_model()), prefill=prefill, decode=decode,
         host=a.host, port=a.port,
-        model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
+        model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
+        chat_template=read_chat_template(a.chat_template),
+        tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
+        local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
         discovery_wait_s=a.discover_wait, health_period_s=a.health_period,
         heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit, tls=tls,
         internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_tokens=metrics_tokens), http
+
+
+def read_chat_template(value: str | None) -> str:
+    """vLLM's --chat-template: a file's contents, else the value itself as a template."""
+    if not value:
+        return ""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"router: --chat-template {value!r} is neither a file nor a template")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

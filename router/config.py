@@ -20,6 +20,14 @@ class RouterConfig:
     port: int = 50051
     model_id: str = ""
     """Name served in ListModels (default: the checkpoint's, see `Checkpoint.model_id`)."""
+    model_aliases: tuple[str, ...] = ()
+    """More names the OpenAI API accepts for the model (vLLM's --served-model-name A B)."""
+    chat_template: str = ""
+    """A chat template (jinja text) replacing the model's own ("" = the model's)."""
+    tool_call_parser: str | None = None
+    """How tool calls are found in outputs with tool_choice auto (hermes, llama3_json)."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice auto (both APIs)."""
     routing: str = "kv"
     """kv (KV-aware, the default) or round-robin (a baseline for comparison)."""
     local_prefill_tokens: int = 32

@@ -18,6 +18,11 @@ The request (`run`), with migration (`router.migration`):
        local_prefill, kv_source = whoever holds the prompt's KV ──tokens after them──► client
        (at most `--migration-limit` moves; the old attempt's calls are cancelled first)
 
+Several choices of one prompt (`n` > 1) are one attempt: D forks them from the prompt's KV
+(computed once, by P or by D) and every event carries its choice's `index`; such a request
+moves to another worker only while nothing was streamed yet, and `stop_choice` ends one
+choice (a stop string the router found) while the others go on.
+
 While an attempt waits on D, D is watched (its heartbeats); until D's first event, so is P:
 the moment either leaves its pool the attempt's calls are cancelled and it is lost. Every
 exit path (finish, stop string, error, client cancel, deadline) cancels the calls still
@@ -27,6 +32,7 @@ open, which makes the workers abort the request and free its blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -72,6 +78,10 @@ class AttemptLost(Exception):
 class TokenEvent:
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    """With sampling.prompt_logprobs: on the first event, from whichever worker prefilled."""
+    index: int = 0
+    """The choice (n > 1)."""
 
 
 @dataclass
@@ -80,6 +90,8 @@ class FinishEvent:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    index: int = 0
+    """The choice (n > 1); the request's stream ends after every choice's."""
 
 
 @dataclass
@@ -159,13 +171,31 @@ class Flow:
         self.counters: dict[str, float] = {"prefetch_hints": 0, "prefetch_hint_failures": 0,
                                            "kv_pulls_routed": 0, "migrations": 0}
         self.place = Placement(prefill, decode, local_prefill_tokens, routing, self.counters)
+        self._live: dict[str, tuple[WorkerHandle, str]] = {}  # rid -> (D, attempt id) now
 
     @property
     def _background(self) -> set[asyncio.Task]:
         return self.place.background  # prefetch hints in flight
 
+    def stop_choice(self, rid: str, index: int) -> None:
+        """End choice `index` of request `rid` on its decode worker (fire-and-forget); its
+        other choices go on. The flow still reads (and drops nothing of) the stream."""
+        live = self._live.get(rid)
+        if live is None or index < 0:
+            return
+        d, attempt = live
+        target = attempt if index == 0 else f"{attempt}.c{index}"
+
+        async def abort() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # it may have ended meanwhile
+                await d.stub.Abort(worker_pb.AbortRequest(request_id=target), timeout=2.0)
+
+        task = asyncio.create_task(abort())
+        self._background.add(task)  # a reference, so the task is not collected mid-flight
+        task.add_done_callback(self._background.discard)
+
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
-                  timings: FlowTimings) -> AsyncIterator[TokenEvent | FinishEvent]:
+                  timings: FlowTimings, n: int = 1) -> AsyncIterator[TokenEvent | FinishEvent]:
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
@@ -176,12 +206,16 @@ class Flow:
             a = Attempt(rid if moves == 0 else f"{rid}.m{moves}", tuple(streamed), seed,
                         deadline, frozenset(excluded))
             try:
-                async for ev in self._attempt(a, req, timings):
+                async for ev in self._attempt(a, req, timings, n, rid):
                     if isinstance(ev, TokenEvent):
                         streamed.extend(ev.token_ids)
                     yield ev
                 return
             except AttemptLost as lost:
+                if n > 1 and streamed:  # each choice would need its own continuation
+                    raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                                    f"{lost}; a request with n > 1 moves only before its "
+                                    "first token") from None
                 decision = self.migration.decide(lost.cause, moves, deadline - time.time())
                 if not decision.migrate:
                     raise FlowError(decision.status, f"{lost}; {decision.reason}") from None
@@ -194,8 +228,8 @@ class Flow:
                          self.migration.limit, len(streamed), lost)
 
     # -- one attempt ---------------------------------------------------------------------
-    async def _attempt(self, a: Attempt, req: ValidRequest, timings: FlowTimings
-                       ) -> AsyncIterator[TokenEvent | FinishEvent]:
+    async def _attempt(self, a: Attempt, req: ValidRequest, timings: FlowTimings, n: int = 1,
+                       rid: str = "") -> AsyncIterator[TokenEvent | FinishEvent]:
         tokens = req.prompt_token_ids + list(a.generated)
         blocks = self.place.blocks(tokens)
         try:
@@ -204,19 +238,21 @@ class Flow:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         self.place.hint(a.rid, d, blocks)
         self.place.expect_blocks(d, blocks.hashes)
-        source = self.place.pull_source(a.rid, d, blocks, len(tokens),
-                                        continuation=bool(a.generated))
+        source = None if n > 1 else self.place.pull_source(  # forks: no pulls
+            a.rid, d, blocks, len(tokens), continuation=bool(a.generated))
         remote = (source is None and not a.generated and self.place.prefill_remotely(
             len(tokens), d, blocks, set(a.excluded)))
         wire = Tripwire()
         call = d.stub.Decode(worker_pb.DecodeRequest(
             request_id=a.rid, prompt_token_ids=req.prompt_token_ids,
             sampling=params_to_pb(req.params), seed=a.seed, local_prefill=not remote,
-            deadline_unix_s=a.deadline, kv_source=source, generated_token_ids=a.generated),
-            timeout=a.time_left())
+            deadline_unix_s=a.deadline, kv_source=source, generated_token_ids=a.generated,
+            n=n), timeout=a.time_left())
         wire.guard(call)
         wire.watch(d, LostCause.DECODE_UNRESPONSIVE)
         d.inflight += 1
+        rid = rid or a.rid
+        self._live[rid] = (d, a.rid)
         try:
             events = call.__aiter__()
             ready = await self._next(events, d, wire)
@@ -227,13 +263,14 @@ class Flow:
                 timings.prefill_remote = True
                 first = await self._prefill(a, req, ready.ready, timings, blocks, wire)
                 yield first
-            async for ev in self._decode_events(events, d, wire):
+            async for ev in self._decode_events(events, d, wire, n):
                 if remote and isinstance(ev, FinishEvent):
                     # The prompt was computed on P: what P reused is what was not recomputed
                     # (D's own hit only spared the transfer of those blocks).
                     ev.cached_tokens = timings.prefill_cached_tokens
                 yield ev
         finally:
+            self._live.pop(rid, None)
             d.inflight -= 1
             wire.close()
             call.cancel()  # no-op once finished; otherwise D aborts the request
@@ -276,12 +313,13 @@ class Flow:
         timings.prefill_compute_s = resp.compute_s
         timings.prefill_cached_tokens = resp.cached_tokens
         lps = [resp.logprob] if resp.HasField("logprob") else []
-        return TokenEvent([resp.token_id], lps)
+        return TokenEvent([resp.token_id], lps, list(resp.prompt_logprobs))
 
-    async def _decode_events(self, events, d: WorkerHandle, wire: Tripwire
+    async def _decode_events(self, events, d: WorkerHandle, wire: Tripwire, n: int = 1
                              ) -> AsyncIterator[TokenEvent | FinishEvent]:
         first = True
-        while True:
+        running = set(range(n))
+        while running:
             ev = await self._next(events, d, wire)
             if first:  # D has the KV: no prefill worker matters to this attempt any more
                 first = False
@@ -291,12 +329,13 @@ class Flow:
                 raise AttemptLost(LostCause.DECODE_ENDED, d, "its stream ended early")
             kind = ev.WhichOneof("event")
             if kind == "tokens":
-                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs))
+                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs),
+                                 list(ev.tokens.prompt_logprobs), ev.tokens.index)
             elif kind == "finished":
                 f = ev.finished
+                running.discard(f.index)
                 yield FinishEvent(finish_from_pb(f.reason), f.prompt_tokens,
-                                  f.completion_tokens, f.cached_tokens)
-                return
+                                  f.completion_tokens, f.cached_tokens, f.index)
 
     async def _next(self, events, d: WorkerHandle, wire: Tripwire):
         try:

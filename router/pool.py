@@ -49,6 +49,16 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+@dataclass(frozen=True)
+class PoolTotals:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+    preemptions: float
+    block_size: int
+
+
 @dataclass
 class WorkerHandle:
     address: str
@@ -114,6 +124,25 @@ class WorkerPool:
 
     def healthy(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.healthy]
+
+    def totals(self) -> PoolTotals:
+        """KV blocks and cache counters summed over the healthy members' last stats."""
+        live = self.healthy()
+        counter = lambda name: sum(w.stats.counters.get(name, 0.0) for w in live)  # noqa: E731
+        sizes = [w.info.block_size for w in live if w.info is not None and w.info.block_size]
+        return PoolTotals(sum(w.stats.kv_blocks_used for w in live),
+                          sum(w.stats.kv_blocks_total for w in live),
+                          counter("prefix_cache_queries"), counter("prefix_cache_hits"),
+                          counter("num_preemptions"), sizes[0] if sizes else 0)
+
+    async def refresh_stats(self, timeout_s: float = 1.0) -> None:
+        """Fresh load figures of the healthy members now (a metrics scrape), without taking
+        their KV events or judging their health: the poll loop owns both."""
+        async def one(w: WorkerHandle) -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                w.stats = await w.stub.GetStats(worker_pb.StatsRequest(), timeout=timeout_s)
+
+        await asyncio.gather(*(one(w) for w in self.healthy()))
 
     def add(self, address: str) -> WorkerHandle:
         """Make `address` a member (idempotent). A retiring worker gets its handle back; a new

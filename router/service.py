@@ -9,17 +9,20 @@ import uuid
 import grpc
 
 from pdserve.proto import pb, pb_grpc
-from pdserve.serving.convert import finish_to_pb
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk
+from router.frontend import Frontend
+from router.grpc_chat import check_constraint, prepare_request, stream_choices
+from router.openai.tools import ToolConfig
 from router.validation import validate
 
 log = logging.getLogger(__name__)
 
+
 class PDServeService(pb_grpc.PDServeServicer):
     def __init__(self, frontend: Frontend, vocab_size: int, max_model_len: int,
-                 model_id: str) -> None:
+                 model_id: str, tools: ToolConfig | None = None) -> None:
         self.frontend = frontend
+        self.tools = tools or ToolConfig()
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.model_id = model_id
@@ -30,8 +33,11 @@ class PDServeService(pb_grpc.PDServeServicer):
 
     async def Generate(self, request, context):
         try:
+            request, tools = await prepare_request(request, self.frontend.tokenizer,
+                                                   self.tools)
             req = validate(request, self.frontend.tokenizer, self.vocab_size,
                            self.max_model_len, self.model_id)
+            await check_constraint(req)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.frontend.saturated:
@@ -39,20 +45,12 @@ class PDServeService(pb_grpc.PDServeServicer):
                                 f"router has {self.frontend.inflight} requests in flight")
         public_id = req.request_id or uuid.uuid4().hex
         try:
-            async for chunk in self.frontend.generate(req, context.time_remaining()):
-                yield _to_pb(public_id, chunk)
+            async for msg in stream_choices(self.frontend, req, request.n, public_id, tools,
+                                            self.tools, context.time_remaining()):
+                yield msg
         except FlowError as exc:
             await context.abort(exc.code, str(exc))
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", public_id)
             raise
 
-
-def _to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=finish_to_pb(c.finish_reason))
-    if c.usage is not None:
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,
-                                    completion_tokens=c.usage.completion_tokens,
-                                    cached_tokens=c.usage.cached_tokens))
-    return msg

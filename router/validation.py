@@ -18,6 +18,8 @@ class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the output text."""
 
 
 def validate(req: pb.GenerateRequest, tokenizer: Tokenizer, vocab_size: int,

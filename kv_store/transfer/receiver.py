@@ -6,6 +6,11 @@ every request (state and deadline). Three kinds of threads: one accept loop, one
 per pair, one watchdog for deadlines. Sink calls for one request never overlap and never follow
 its terminal call (`on_done` or `on_failed`, exactly one of which is made per request).
 
+With a NIXL agent (`nixl`), the receiver also registers a landing pool once and offers it in
+`nixl_descriptor` (for the owner to hand out over its authenticated control plane); pairs
+whose hello names transport "nixl" get slots of it (`nixl_path`), and their payloads reach the
+sink as views of those slots. Nothing else differs between transports.
+
 A request's deadline is its sender's lease: every LAYER/DONE header says what is left of it,
 and the request fails (`on_failed`) when it runs out before the DONE marker arrived.
 
@@ -39,6 +44,9 @@ import torch.distributed as dist
 from kv_store.transfer import auth, rendezvous
 from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import LandingPool, NixlReceive
+from kv_store.transfer.payload import InlineReceive, ReceivePath
 from kv_store.transfer.receiver_pair import ReceiverPair
 from kv_store.transfer.rendezvous import Hello, Reply
 from kv_store.transfer.state import History, TransferState, check_transition
@@ -54,9 +62,10 @@ class ReceiveSink(Protocol):
 
     def on_layer(self, request_id: str, layer: int, block_ids: list[int], kv: torch.Tensor,
                  head_start: int = 0) -> None:
-        """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. A sink that
-        receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes the keyword;
-        it is only passed when non-zero."""
+        """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. `kv` is valid
+        only during the call (it may be a view of a NIXL landing slot): copy what you keep. A
+        sink that receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes
+        the keyword; it is only passed when non-zero."""
 
     def on_done(self, request_id: str, body: bytes) -> None:
         """Every layer of the request arrived; `body` is what the sender passed to finish()."""
@@ -83,10 +92,12 @@ class KVReceiver:
     def __init__(
         self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None,
         tickets: Callable[[str], bytes | None] | None = None,
+        nixl: NixlAgent | None = None, nixl_device: torch.device | None = None,
     ) -> None:
         """`tickets(wire request id)`: the ticket that request's frames must be tagged under,
         None if it is not expected (see the module docstring); None = frames are not bound
-        to tickets (transport tools and tests)."""
+        to tickets (transport tools and tests). `nixl`: this process's NIXL agent, with
+        which the landing pool is registered (on `nixl_device`, default the CPU)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {type(host).__name__}")
         if not isinstance(port, int) or not 0 <= port < 65536:
@@ -109,6 +120,13 @@ class KVReceiver:
                                     wait_for_workers=False, master_listen_fd=listener.detach())
         shown = f"[{host}]" if ":" in host else host
         self.address = f"{shown}:{self._store.port}"
+        self._pool: LandingPool | None = None
+        if nixl is not None:
+            self._pool = LandingPool(nixl, self._config.nixl_pool_bytes,
+                                     self._config.nixl_slot_bytes, nixl_device,
+                                     quarantine_s=self._config.io_timeout_s)
+        self.nixl_descriptor = self._pool.descriptor.encode() if self._pool else b""
+        """What a sender needs to write into this receiver's landing pool (b"": none)."""
         self._lock = threading.Lock()
         self._pairs: OrderedDict[int, ReceiverPair] = OrderedDict()
         self._bound: dict[ReceiverPair, set[str]] = {}
@@ -161,7 +179,10 @@ class KVReceiver:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records)}
+            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records),
+                     "pairs_nixl": sum(1 for p in self._pairs.values() if p.nixl)}
+        if self._pool is not None:
+            extra["nixl_slots_free"] = self._pool.num_free
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:
@@ -180,6 +201,8 @@ class KVReceiver:
             leftover = list(self._records.values())
         for rec in leftover:
             self._fail(rec, "receiver closed")
+        if self._pool is not None:
+            self._pool.close()
         self._store = None  # the store server stops with its last reference
 
     def __enter__(self) -> KVReceiver:
@@ -197,7 +220,7 @@ class KVReceiver:
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
-            self._stats.add_received(payload.numel() * payload.element_size())
+            self._stats.add_received(payload.numel() * payload.element_size(), header.slot >= 0)
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
             self._deliver_done(rec, header.body)
@@ -350,7 +373,7 @@ class KVReceiver:
             rendezvous.answer(self._store, pair_id, Reply(False, refusal), key, sender_nonce,
                               nonce)
             return
-        pair.start()
+        pair.start(self._path_for(hello))  # takes landing slots only for an accepted pair
         rendezvous.answer(self._store, pair_id, Reply(True), key, sender_nonce, nonce)
 
     def _first_offer(self, pair_id: int) -> bool:
@@ -379,6 +402,13 @@ class KVReceiver:
         if hello.transport == "nccl" and not torch.cuda.is_available():
             return f"receiver {self.address} has no CUDA device for an NCCL pair"
         return ""
+
+    def _path_for(self, hello: Hello) -> ReceivePath:
+        """A NIXL pair gets landing slots (none without a pool, or when it is used up: its
+        payloads then come inline); others receive inline."""
+        if hello.transport != "nixl":
+            return InlineReceive()
+        return NixlReceive(self._pool, self._config.nixl_slots_per_pair, InlineReceive())
 
     def _lru_idle(self, pairs: list[ReceiverPair]) -> ReceiverPair | None:
         idle = [p for p in pairs if not self._bound.get(p)]

@@ -30,6 +30,7 @@ from kv_store.transfer import auth, wire
 from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.wire import ProtocolError
 
+TRANSPORTS = ("gloo", "nccl", "nixl")
 _NEXT = "pairs/next"
 _QUEUE = "pairs/hello"
 
@@ -43,7 +44,8 @@ class Hello:
     host: str
     """Address the sender's gloo device listens on."""
     transport: str
-    """"gloo" (control and payload over gloo) or "nccl" (payloads over NCCL)."""
+    """"gloo" (control and payload over gloo), "nccl" (payloads over NCCL) or "nixl"
+    (payloads written into the receiver's landing pool: `nixl_path`)."""
     quiet_limit_s: float
     """Longest silence of a healthy sender on this pair; the receiver gives up after it."""
     nonce: bytes = b""
@@ -147,8 +149,9 @@ def poll(store: dist.Store) -> list[tuple[int, Hello | ProtocolError]]:
 def _decode_hello(data: bytes) -> Hello:
     doc = wire.unpack(data)
     transport = doc.get("transport")
-    if transport not in ("gloo", "nccl"):
-        raise ProtocolError(f"hello field 'transport' must be gloo or nccl, got {transport!r}")
+    if transport not in TRANSPORTS:
+        raise ProtocolError(f"hello field 'transport' must be one of {TRANSPORTS}, got "
+                            f"{transport!r}")
     limit = doc.get("quiet_limit_s")
     if not isinstance(limit, int | float) or limit <= 0:
         raise ProtocolError(f"hello field 'quiet_limit_s' must be positive, got {limit!r}")

@@ -10,6 +10,11 @@ covers everything up to its DONE marker being on the wire; every header carries 
 of it, so the receiver drops the request when the sender does. Its ticket (`ticket`, the key
 the receiving worker handed out for this transfer) is fixed by the first call too, and tags
 every header of the request (`auth.ticket_tag`): the receiver accepts only those.
+
+With a NIXL agent (`nixl`), a receiver whose landing pool the caller registered with
+`add_peer` (its `NixlDescriptor`, handed out by the receiving worker over gRPC) gets pairs of
+transport "nixl": their payloads are written into the pool (`nixl_path`); every other
+receiver, and payloads on another device than the pool, use gloo/NCCL as configured.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import torch
 from kv_store.transfer import auth, wire
 from kv_store.transfer.checks import check_body, check_layer, check_lease, check_request_id
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import NixlDescriptor
 from kv_store.transfer.rendezvous import parse_address
 from kv_store.transfer.sender_pair import Outgoing, SenderPair
 from kv_store.transfer.state import (
@@ -63,8 +70,12 @@ class _Outbound:
 class KVSender:
     """Streams KV layers to decode workers; thread-safe; one per prefill process."""
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
+    def __init__(self, config: TransferConfig | None = None,
+                 nixl: NixlAgent | None = None) -> None:
+        """`nixl`: this process's NIXL agent (None: gloo/NCCL only)."""
         self._config = config or TransferConfig()
+        self._nixl = nixl
+        self._peers: dict[str, NixlDescriptor] = {}  # landing pools by receiver address
         self._lock = threading.Lock()
         self._pairs: OrderedDict[_PairKey, SenderPair] = OrderedDict()  # LRU order
         self._bound: dict[SenderPair, set[str]] = {}  # live requests riding on each pair
@@ -77,6 +88,22 @@ class KVSender:
         self._keeper.start()
 
     # ---- public API --------------------------------------------------------------------------
+
+    def add_peer(self, address: str, descriptor: bytes) -> None:
+        """The receiver at `address` offers this landing pool (`KVReceiver.nixl_descriptor`,
+        b"" for none); pairs opened to it from now on use NIXL when this sender has an agent.
+        `ValueError` for a malformed descriptor."""
+        parse_address(address)
+        pool = NixlDescriptor.decode(descriptor) if descriptor else None
+        with self._lock:
+            if pool is None:
+                self._peers.pop(address, None)
+            else:
+                self._peers[address] = pool
+
+    @property
+    def nixl_enabled(self) -> bool:
+        return self._nixl is not None
 
     def send_layer(
         self, address: str, request_id: str, layer: int, block_ids: Sequence[int],
@@ -92,16 +119,17 @@ class KVSender:
             raise ValueError(f"head_start must be a non-negative int, got {head_start!r}")
         check_lease(lease_s)
         auth.check_ticket(ticket)
-        transport, device = self._transport_for(kv)
         settle: list[_Settle] = []
         with self._lock:
+            transport, device = self._transport_for(kv, address)
             rec = self._live_record(address, request_id, "send_layer", lease_s, ticket)
             if rec is not None:
                 header = Header(Kind.LAYER, rid=request_id, layer=layer, blocks=blocks,
                                 shape=tuple(kv.shape), dtype=wire.dtype_name(kv.dtype),
                                 head_start=head_start, lease_s=_left(rec))
                 self._enqueue(rec, Outgoing(auth.tagged(header, rec.ticket), kv,
-                                            _ready_event(kv)), transport, device, settle)
+                                            _ready_event(kv), rec.ticket),
+                              transport, device, settle)
         _run(settle)
 
     def finish(self, address: str, request_id: str, body: bytes,
@@ -158,7 +186,9 @@ class KVSender:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests)}
+            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests),
+                     "pairs_nixl": sum(1 for p in self._pairs.values()
+                                       if p.transport == "nixl")}
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:
@@ -336,7 +366,10 @@ class KVSender:
         if len(self._pairs) >= self._config.max_pairs and not self._evict_one():
             raise TransferError(f"all max_pairs={self._config.max_pairs} pairs are busy; "
                                 f"cannot open one to {address}")
-        pair = SenderPair(address, transport, device, self._config, self)
+        nixl = None
+        if transport == "nixl":
+            nixl = (self._nixl, self._peers[address])
+        pair = SenderPair(address, transport, device, self._config, self, nixl)
         self._pairs[key] = pair
         self._bound[pair] = set()
         pair.start()
@@ -354,7 +387,12 @@ class KVSender:
     def _idle(self, pair: SenderPair) -> bool:
         return not self._bound.get(pair) and pair.quiet()
 
-    def _transport_for(self, kv: torch.Tensor) -> tuple[str, torch.device | None]:
+    def _transport_for(self, kv: torch.Tensor, address: str
+                       ) -> tuple[str, torch.device | None]:
+        """The pair kind for this payload (caller holds self._lock)."""
+        pool = self._peers.get(address)
+        if self._nixl is not None and pool is not None and pool.accepts(kv):
+            return "nixl", None
         backend = self._config.backend
         if kv.is_cuda and backend in ("auto", "nccl"):
             return "nccl", kv.device

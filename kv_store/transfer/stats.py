@@ -17,6 +17,7 @@ class TransferStats:
         self._lock = threading.Lock()
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._bytes_received_nixl = 0
         self._done = 0
         self._failed = 0
         self._refused = 0
@@ -27,9 +28,12 @@ class TransferStats:
         with self._lock:
             self._bytes_sent += nbytes
 
-    def add_received(self, nbytes: int) -> None:
+    def add_received(self, nbytes: int, nixl: bool = False) -> None:
+        """`nixl`: the bytes came through a NIXL landing slot."""
         with self._lock:
             self._bytes_received += nbytes
+            if nixl:
+                self._bytes_received_nixl += nbytes
 
     def record_done(self, latency_s: float) -> None:
         with self._lock:
@@ -56,6 +60,7 @@ class TransferStats:
             out: dict[str, Any] = {
                 "bytes_sent": self._bytes_sent,
                 "bytes_received": self._bytes_received,
+                "bytes_received_nixl": self._bytes_received_nixl,
                 "transfers_done": self._done,
                 "transfers_failed": self._failed,
                 "pairs_refused": self._refused,

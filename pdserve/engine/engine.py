@@ -27,6 +27,7 @@ from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.kv_manager import KVCacheManager, cdiv
@@ -36,15 +37,18 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.outputs import StepOutput
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.kv_format import KVCacheFormat
 from pdserve.engine.remote_kv import KVReservation, NoKVCapacity, PullReservation
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampler import SamplingRow, TokenLogprobs
+from pdserve.engine.sampler import SamplingRow, TokenLogprobs, apply_token_bitmask, score_tokens
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
 from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 from pdserve.engine.stop import apply_stop_rules, stop_reason
+from pdserve.engine.structured.compiler import GrammarCompiler
+from pdserve.engine.structured.manager import StructuredOutputs
 
 # Blocks copied to the host tier ahead of eviction per step (busy) and per idle tick.
 DEMOTE_AHEAD_PER_STEP = 2
@@ -81,7 +85,8 @@ class LLMEngine:
         self.tp = tp
         try:
             model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
-                               self.max_model_len, quantization=config.quantization)
+                               self.max_model_len, quantization=config.quantization,
+                               lm_head_dtype=config.lm_head_dtype)
         except BaseException:
             self.close()
             raise
@@ -95,43 +100,65 @@ class LLMEngine:
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
-        kv_key = f"{self.kv_layout.hash_key()}|w={config.quantization or 'none'}"
+        scheme = resolve_quantization(config.quantization, checkpoint.path)
+        kv_key = f"{self.kv_layout.hash_key()}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:
             self.pool.set_evict_listener(self.tiers.demote)
         kv = KVCacheManager(self.pool, hash_extra(self.model_id, kv_key, config.block_size),
-                            tiers=self.tiers)
+                            tiers=self.tiers, copy_blocks=self._copy_blocks)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
-        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend),
+        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend, self.device),
                                   config.block_size, self.device,
-                                  self.tp_driver.step if self.tp_driver else None)
+                                  self.tp_driver.step if self.tp_driver else None,
+                                  compile_decode=config.compile_decode,
+                                  graph_limits=graph_args(config.max_num_seqs,
+                                                          self.max_model_len,
+                                                          config.block_size))
         self._rng = random.Random(config.seed)
         self.vocab_size = self.model_config.vocab_size
         # Speculative decoding (None when off): drafts are proposed at the end of each step.
         self.spec = build_speculator(self)
         if self.spec is not None:
             self.scheduler.add_release_listener(self.spec.on_release)
+        # Grammar matchers of constrained requests (xgrammar loads on the first one).
+        self.structured = StructuredOutputs(self._grammar_compiler, self.vocab_size)
+        self.scheduler.add_release_listener(self._on_release)
+        self.scheduler.add_fork_listener(self.structured.prepare)  # each choice its own
 
     # -- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
                     params: SamplingParams, seed: int | None = None,
-                    generated: Sequence[int] = ()) -> Request:
+                    generated: Sequence[int] = (),
+                    forks: Sequence[tuple[str, int]] = ()) -> Request:
         """Queue a request. `generated`: output it already produced elsewhere (a migrated
-        request); it continues from there (check `continuation_finished` first)."""
-        req = self._new_request(request_id, prompt_token_ids, params, seed, generated)
+        request); it continues from there (check `continuation_finished` first). `forks`:
+        (request id, seed) of more choices of the same prompt, forked from this one once its
+        prompt is computed (they share its prompt KV; see `Scheduler.fork_ready`)."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, generated, forks)
         self.scheduler.add(req)
         return req
 
     def _new_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                     params: SamplingParams, seed: int | None, generated: Sequence[int]
-                     ) -> Request:
+                     params: SamplingParams, seed: int | None, generated: Sequence[int],
+                     forks: Sequence[tuple[str, int]] = ()) -> Request:
         self.validate(prompt_token_ids, params, generated)
+        ids = [request_id, *(child for child, _ in forks)]
+        if len(set(ids)) != len(ids) or any(i in self.scheduler.requests for i in ids):
+            raise ValueError(f"request ids {ids} are not unique or already in flight")
+        if forks and generated:
+            raise ValueError("a continuation (generated tokens) cannot fork choices")
         if seed is None:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        return Request(request_id, list(prompt_token_ids), params, seed,
-                       output_token_ids=[int(t) for t in generated])
+        req = Request(request_id, list(prompt_token_ids), params, seed,
+                      output_token_ids=[int(t) for t in generated],
+                      forks=[(str(c), int(s)) for c, s in forks])
+        # A matcher for a constrained request (an invalid grammar is a ValueError, nothing
+        # added); it catches up on `generated` (a migrated request's earlier output) lazily.
+        self.structured.prepare(req)
+        return req
 
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams,
                  generated: Sequence[int] = ()) -> None:
@@ -147,6 +174,13 @@ class LLMEngine:
                 raise ValueError(f"{name} contains ids outside [0, {self.vocab_size}): "
                                  f"{bad[:5]}")
         params.validate_for_model(self.vocab_size)
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile (and cache) a constrained request's grammar; callable from any thread.
+        Workers call it on a thread pool before adding the request, so the engine thread
+        never waits for a compile. Raises ValueError (InvalidConstraint) for a bad spec."""
+        if params.structured is not None:
+            self.structured.compiler.compile(params.structured)
 
     def continuation_finished(self, num_prompt_tokens: int, params: SamplingParams,
                               generated: Sequence[int]) -> FinishReason | None:
@@ -172,13 +206,15 @@ class LLMEngine:
 
     # -- requests whose KV arrives from elsewhere (pdserve.engine.remote_kv) -----------------
     def reserve_remote(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: SamplingParams, seed: int) -> KVReservation:
+                       params: SamplingParams, seed: int,
+                       forks: Sequence[tuple[str, int]] = ()) -> KVReservation:
         """Admit a request whose prompt a prefill worker computes: WAITING_FOR_KV, its prefix
-        hit taken and blocks held for the whole prompt. Raises ValueError (bad request) or
-        `NoKVCapacity`."""
-        req = self._new_request(request_id, prompt_token_ids, params, seed, ())
+        hit taken and blocks held for the whole prompt; `forks` (see `add_request`) fork from
+        it when its KV has landed. Raises ValueError (bad request) or `NoKVCapacity`."""
+        req = self._new_request(request_id, prompt_token_ids, params, seed, (), forks)
         res = self.scheduler.reserve_remote(req)
         if res is None:
+            self.structured.release(request_id)
             raise NoKVCapacity(f"{self.pool.num_free} free KV blocks; the prompt needs "
                                f"{cdiv(req.num_tokens, self.config.block_size)}")
         return res
@@ -275,15 +311,20 @@ class LLMEngine:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
         t0 = time.perf_counter()
         wants = self.spec.feature_spec if self.spec is not None else None
-        logits, features = self.runner.logits_and_features(plan.chunks, layer_hook, tp_extra,
-                                                           wants)
-        if features is not None:  # a learned drafter reads them once the step is applied
-            self.spec.observe(plan.chunks, features)
+        forward = self.runner.forward(plan.chunks, layer_hook, tp_extra, wants)
+        logits = forward.logits
+        if forward.features is not None:  # a learned drafter reads them once it is applied
+            self.spec.observe(plan.chunks, forward.features)
         if self.tiers is not None:  # prefill speed: the "recompute" side of load-or-recompute
             self.tiers.observe_forward(plan.chunks, logits, t0)
+        if forward.prompt_logits is not None:
+            self._score_prompts(plan.chunks, forward.prompt_logits)
         rows, owners = self._sampling_rows(plan.chunks)
         if not rows:
             return {}, {}
+        masks = self.structured.bitmask(plan.chunks, self.scheduler.requests)
+        if masks is not None:  # before sampling and verification alike
+            apply_token_bitmask(logits, *masks)
         if self.spec is not None and any(c.spec_token_ids for c in plan.chunks):
             return self.spec.sample(self.runner.sampler, plan.chunks, logits, rows)
         out = self.runner.sample(logits, rows)
@@ -302,6 +343,7 @@ class LLMEngine:
             kept, reason = apply_stop_rules(req.params, req.num_prompt_tokens,
                                             len(req.output_token_ids), tokens,
                                             self.eos_token_ids, self.max_model_len)
+            kept, reason = self._grammar_rules(req, kept, reason)
             sampled[rid] = kept
             if reason:
                 reasons[rid] = reason
@@ -310,12 +352,21 @@ class LLMEngine:
         for req in touched:
             rid = req.request_id
             new = sampled[rid]
-            reason = reasons.get(rid)
+            reason = reasons.pop(rid, None)
             if reason:
                 self.scheduler.finish(rid, RequestStatus.finished(reason))
+            first = len(req.output_token_ids) == len(new)
             outputs.append(StepOutput(
                 rid, new, logprobs[rid][:len(new)], reason, req.num_prompt_tokens,
-                max(req.num_cached_tokens, 0), len(req.output_token_ids)))
+                max(req.num_cached_tokens, 0), len(req.output_token_ids),
+                list(req.prompt_logprobs) if first and req.params.prompt_logprobs is not None
+                else None))
+        for rid, reason in reasons.items():  # ended without a token (a grammar refused it)
+            req = self.scheduler.finish(rid, RequestStatus.finished(reason))
+            if req is not None:
+                outputs.append(StepOutput(rid, [], [], reason, req.num_prompt_tokens,
+                                          max(req.num_cached_tokens, 0),
+                                          len(req.output_token_ids)))
         if self.spec is not None:
             self.spec.propose(self.scheduler)  # drafts for the next step
         self.demote_ahead(DEMOTE_AHEAD_PER_STEP)  # every step path ends here
@@ -341,6 +392,50 @@ class LLMEngine:
             self.tp_driver.flush_tier_ops()
         return n
 
+    def _grammar_rules(self, req: Request, kept: list[int], reason: FinishReason | None
+                       ) -> tuple[list[int], FinishReason | None]:
+        """Cut a constrained request's tokens where its grammar ends (finish "stop") or
+        refuses a token ("abort")."""
+        adv = self.structured.advance(req, kept)
+        if adv.reason is None:
+            return kept, reason
+        if adv.keep < len(kept) or reason is None or adv.reason is FinishReason.ABORT:
+            return kept[:adv.keep], adv.reason
+        return kept, reason
+
+    def _score_prompts(self, chunks: Sequence[ScheduledChunk], logits: torch.Tensor) -> None:
+        """Prompt logprobs of the positions each chunk scored, appended to its request."""
+        at = 0
+        for c in chunks:
+            n = c.num_prompt_logits
+            if n == 0:
+                continue
+            rows, at = logits[at:at + n], at + n
+            req = self.scheduler.requests.get(c.request_id)
+            if req is None or req.params.prompt_logprobs is None:
+                continue
+            skip = len(req.prompt_logprobs) - c.start  # scored before a preemption
+            if skip < 0:
+                continue  # cannot happen without a prefix hit, which such requests skip
+            targets = req.prompt_token_ids[c.start + 1 + skip:c.start + 1 + n]
+            req.prompt_logprobs.extend(score_tokens(rows[skip:], targets,
+                                                    req.params.prompt_logprobs))
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """KV of device blocks src -> dst on every rank (a fork's copy-on-write)."""
+        self.runner.copy_blocks(pairs)
+        if self.tp_driver is not None:
+            self.tp_driver.call({"op": "copy_blocks", "pairs": [list(p) for p in pairs]})
+
+    def _on_release(self, req: Request) -> None:
+        if req.status is not RequestStatus.WAITING:  # preempted requests keep their matcher
+            self.structured.release(req.request_id)
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        # Reopened on first use: the engine keeps no checkpoint (a GGUF's memory map).
+        return GrammarCompiler(open_checkpoint(self.config.model).tokenizer(), self.vocab_size,
+                               self.eos_token_ids)
+
     def _sampling_rows(self, chunks: Sequence[ScheduledChunk]
                        ) -> tuple[list[SamplingRow], list[str]]:
         rows: list[SamplingRow] = []
@@ -350,7 +445,9 @@ class LLMEngine:
                 continue
             req = self.scheduler.requests[c.request_id]
             for j in range(c.num_samples):
-                out = req.output_token_ids + c.spec_token_ids[:j]
+                # Read only during this step: the plain row shares the request's list.
+                out = (req.output_token_ids if j == 0
+                       else req.output_token_ids + c.spec_token_ids[:j])
                 rows.append(SamplingRow(req.params, req.prompt_token_ids, out, req.seed,
                                         len(out), self.eos_token_ids))
                 owners.append(c.request_id)
@@ -379,7 +476,7 @@ class LLMEngine:
             raise RuntimeError("not enough free KV blocks for prompt_features")
         try:
             chunk = ScheduledChunk("prompt_features", list(token_ids), 0, blocks, 0)
-            return self.runner.logits_and_features([chunk], features=spec or FeatureSpec())[1]
+            return self.runner.forward([chunk], features=spec or FeatureSpec()).features
         finally:
             self.pool.free(blocks)
 
@@ -392,6 +489,9 @@ class LLMEngine:
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_used": self.pool.num_used,
             "kv_blocks_cached": self.pool.num_cached,
+            "prefix_cache_queries": self.scheduler.prefix_cache_queries,
+            "prefix_cache_hits": self.scheduler.prefix_cache_hits,
+            "num_preemptions": self.scheduler.num_preemptions,
             **(self.spec.stats() if self.spec is not None else spec_stats_off()),
             **(self.tiers.stats() if self.tiers is not None else tier_stats_off()),
         }

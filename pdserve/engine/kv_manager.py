@@ -20,11 +20,14 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, hash_extra: bytes,
-                 tiers: TierManager | None = None) -> None:
+                 tiers: TierManager | None = None,
+                 copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.hash_extra = hash_extra
         self.tiers = tiers  # host / SSD tiers below the device pool (None: device only)
+        # Copies KV between device blocks, (src, dst) pairs, on every rank (None: no copies).
+        self.copy_blocks = copy_blocks
 
     def update_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` over every full block of its known tokens (mutates req)."""
@@ -39,8 +42,8 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> list[int]:
         """Leading cached blocks for `req` (not taken). At least one token is left to compute,
         because the model must run on the last token to produce logits."""
-        if not self.pool.enable_caching:
-            return []
+        if not self.pool.enable_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt scoring needs the logits of every prompt position
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         bs = self.block_size
@@ -213,6 +216,32 @@ class KVCacheManager:
         self.pool.free(list(reversed(req.block_ids)))
         req.block_ids = []
         req.num_published_blocks = 0
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give `child` (the same prompt) the KV of every prompt token but the last: a
+        reference to each of the parent's full blocks, and a copy of the block the last
+        prompt token falls in, up to that token (copy-on-write: the parent goes on writing
+        its own). The child then computes only the last prompt token. False, changing
+        nothing, when the copy has no free block or no copier (mutates child and the pool)."""
+        bs = self.block_size
+        upto = parent.num_prompt_tokens - 1
+        keep, partial = divmod(upto, bs)
+        fresh: list[int] = []
+        if partial:
+            if self.copy_blocks is None:
+                return False
+            got = self.pool.allocate(1)
+            if got is None:
+                return False
+            fresh = got
+            self.copy_blocks([(parent.block_ids[keep], fresh[0])])
+        for b in parent.block_ids[:keep]:
+            self.pool.take(b)
+        child.block_ids = parent.block_ids[:keep] + fresh
+        child.block_hashes = list(parent.block_hashes[:keep])
+        child.num_published_blocks = min(keep, parent.num_published_blocks)
+        child.num_computed_tokens = upto
+        return True
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Drop blocks beyond what `num_tokens` tokens need (speculative rollback)."""

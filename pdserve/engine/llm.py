@@ -30,6 +30,8 @@ class CompletionOutput:
     finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `prompt_logprobs`: one entry per prompt token after the first."""
 
 
 @dataclass
@@ -40,6 +42,7 @@ class _Pending:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]
     cached: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
@@ -96,6 +99,8 @@ class LLM:
         st.tokens.extend(out.new_token_ids)
         st.logprobs.extend(out.new_logprobs)
         st.cached = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = out.prompt_logprobs
         delta = st.stream.add(out.new_token_ids, final=out.finished)
         reason = out.finish_reason
         if delta.stopped and not out.finished:
@@ -106,7 +111,8 @@ class LLM:
         del pending[out.request_id]
         lps = st.logprobs if any(lp is not None for lp in st.logprobs) else None
         results[st.index] = CompletionOutput(
-            out.request_id, st.prompt_ids, st.tokens, st.stream.text, reason, lps, st.cached)
+            out.request_id, st.prompt_ids, st.tokens, st.stream.text, reason, lps, st.cached,
+            st.prompt_logprobs)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -13,34 +13,39 @@ from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
-from pdserve.engine.quant.checkpoint import (
-    adapt_fp8_checkpoint,
-    install_quantization,
-    resolve_quantization,
-)
+from pdserve.engine.quant.checkpoint import resolve_quantization
+from pdserve.engine.quant.lm_head import install_lm_head, resolve_lm_head
+from pdserve.engine.quant.scheme import install_quantization
 
 
 def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
-               quantization: str | None = None) -> torch.nn.Module:
-    """Build and load the model; `quantization` ("fp8") quantises its linear layers, and an
-    FP8 checkpoint (quantization_config in config.json) is loaded as FP8 whatever it says."""
+               quantization: str | None = None, lm_head_dtype: str = "auto") -> torch.nn.Module:
+    """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
+    and a quantised checkpoint (quantization_config in config.json) loads as it is stored;
+    `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`)."""
     scheme = resolve_quantization(quantization, checkpoint.path)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
-        if scheme is not None:  # before loading: FP8 checkpoints load into FP8 parameters
+        if scheme is not None:  # before loading: quantised layers load into their own layout
             install_quantization(model, scheme)
-    weights = checkpoint.iter_weights(prefer_int4=quantization == "int4")
-    if scheme is not None and scheme.serialized:
-        weights = adapt_fp8_checkpoint(weights, checkpoint.weight_shapes())
+        install_lm_head(model, resolve_lm_head(lm_head_dtype, scheme), cfg.tie_word_embeddings)
+    # Under W4A16 a format with native 4-bit blocks (GGUF Q4_*) hands them over as Int4Weight.
+    int4 = scheme is not None and scheme.family == "int4"
+    weights = checkpoint.iter_weights(prefer_int4=int4)
+    if scheme is not None:
+        weights = scheme.adapt(weights, checkpoint.weight_shapes)
     loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "method", None)
         if method is not None:
-            method.finalize(module)
+            try:
+                method.finalize(module)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
     return model.eval()

@@ -19,6 +19,9 @@ class StepOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `prompt_logprobs` asked: on the request's first output, one entry per prompt token
+    after the first."""
 
     @property
     def finished(self) -> bool:

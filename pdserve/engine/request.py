@@ -5,10 +5,15 @@
      │   └──preempt (recompute)┘
      │  WAITING_FOR_KV ──all KV arrived (activate)──► RUNNING   (KV computed by a prefill worker)
      └─ PULLING ──pull settled──┘                               (prefix copied from a holder)
+    RUNNING with `forks`, prompt KV in ──fork──► each choice: RUNNING  (shares the prompt's KV)
 
 The two waiting-for-KV states belong to the scheduler (`pdserve.engine.remote_kv` describes
-them). `num_computed_tokens` counts tokens whose KV is in the cache; everything the scheduler
-and the runner need is derived from it and the token lists. `output_token_ids` may start
+them). A request with `n` > 1 outputs carries its other choices in `forks`: once its prompt's
+KV is in (computed here, or landed from a prefill worker), each is forked from it as a RUNNING
+request of its own that shares the prompt's full blocks and a copy of its last partial block
+(`Scheduler.fork_ready`), and computes only the last prompt token itself.
+`num_computed_tokens` counts tokens whose KV is in the cache; everything the scheduler and the
+runner need is derived from it and the token lists. `output_token_ids` may start
 non-empty: a request continued on another worker (migration) brings the tokens it already
 generated, and sampling, penalties and stop rules see them as output, not prompt.
 `block_ids` is append-only while the request runs (a preemption releases them all at once);
@@ -70,6 +75,11 @@ class Request:
     tier_wait: frozenset[bytes] | None = None
     # Speculative tokens proposed for the next step (verified, then dropped or kept).
     spec_token_ids: list[int] = field(default_factory=list)
+    # With params.prompt_logprobs: TokenLogprobs of prompt tokens 1.. computed so far (the
+    # first prompt token has none); complete once the prompt's prefill is.
+    prompt_logprobs: list = field(default_factory=list)
+    # Choices to fork from this request once its prompt's KV is in: (request id, seed).
+    forks: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:

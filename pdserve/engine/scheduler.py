@@ -59,6 +59,9 @@ class ScheduledChunk:
     block_ids: list[int]
     num_samples: int
     spec_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logits: int = 0
+    """Prompt scoring (`prompt_logprobs`): the logits of this many leading positions of the
+    chunk are wanted too (position p scores prompt token p + 1)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,12 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.pulls: dict[str, PullReservation] = {}  # of the PULLING requests
         self._release_listeners: list[Callable[[Request], None]] = []
+        self._fork_listeners: list[Callable[[Request], None]] = []
+        # Cumulative counts for metrics: prompt tokens looked up in / found in the prefix
+        # cache at first admission, and preemptions.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.num_preemptions = 0
 
     def add_release_listener(self, fn: Callable[[Request], None]) -> None:
         """Call `fn(req)` whenever a request gives its blocks back: finished (any reason) or
@@ -90,6 +99,35 @@ class Scheduler:
         self._release_listeners.append(fn)
 
     # -- queue management ----------------------------------------------------------------
+    def add_fork_listener(self, fn: Callable[[Request], None]) -> None:
+        """Call `fn(child)` for each choice forked from a request (`fork_ready`)."""
+        self._fork_listeners.append(fn)
+
+    def fork_ready(self, parent: Request) -> list[Request]:
+        """`parent`'s prompt KV is in: fork its pending choices (`Request.forks`). Each child
+        is RUNNING at once with the parent's prompt KV but the last token's (shared full
+        blocks, a copy of the partial one: `KVCacheManager.fork`), so its first step computes
+        that token and samples its own first output with its own seed. A child that cannot
+        get its copy queues as a new request instead (its prefix hit then covers the blocks
+        the parent published). Forks join the running set beyond `max_num_seqs` if need be:
+        their parent's batch already holds their prompt."""
+        forks, parent.forks = parent.forks, []
+        children = []
+        for child_id, seed in forks:
+            child = Request(child_id, list(parent.prompt_token_ids), parent.params, seed)
+            self._register(child)
+            child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+            if self.kv.fork(parent, child):
+                child.status = RequestStatus.RUNNING
+                self.running.append(child)
+            else:
+                child.status = RequestStatus.WAITING
+                self.waiting.append(child)
+            for fn in self._fork_listeners:
+                fn(child)
+            children.append(child)
+        return children
+
     def add(self, req: Request) -> None:
         """Queue a new request (WAITING) for admission."""
         self._register(req)
@@ -147,6 +185,8 @@ class Scheduler:
         req.num_computed_tokens = req.num_tokens
         req.output_token_ids.append(first_token)
         self.kv.publish(req)
+        if req.forks:  # before a first token that ends the parent frees its blocks
+            self.fork_ready(req)
         if reason is not None:
             self.finish(request_id, RequestStatus.finished(reason))
         else:
@@ -241,6 +281,8 @@ class Scheduler:
             self.waiting.popleft()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = req.num_computed_tokens
+                self.prefix_cache_queries += req.num_prompt_tokens
+                self.prefix_cache_hits += req.num_computed_tokens
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             chunks.append(self._chunk(req, n))
@@ -278,6 +320,7 @@ class Scheduler:
             block_ids=list(req.block_ids),
             num_samples=(1 + len(spec)) if done else 0,
             spec_token_ids=list(spec),
+            num_prompt_logits=_prompt_logits_wanted(req, start, n),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -287,6 +330,7 @@ class Scheduler:
         req.spec_token_ids = []
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.tier_wait = None  # its blocks may have moved down meanwhile: stage again
         self.waiting.appendleft(req)
         for fn in self._release_listeners:
@@ -312,9 +356,22 @@ class Scheduler:
                 req.output_token_ids.extend(tokens)
                 touched.append(req)
             self.kv.publish(req)
+            if req.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self.fork_ready(req)
             if chunk.spec_token_ids:
                 self.kv.trim(req, req.num_computed_tokens + 1)
         return touched
 
     def iter_running(self) -> Iterable[Request]:
         return iter(self.running)
+
+
+def _prompt_logits_wanted(req: Request, start: int, n: int) -> int:
+    """Leading positions of chunk [start, start + n) whose logits score a prompt token not yet
+    scored: positions len(req.prompt_logprobs) .. num_prompt_tokens - 2 (the last prompt
+    position predicts the first output token, which the sampler handles)."""
+    if req.params.prompt_logprobs is None:
+        return 0
+    first = max(start, len(req.prompt_logprobs))
+    end = min(start + n, req.num_prompt_tokens - 1)
+    return max(0, end - start) if first < end else 0

@@ -1,9 +1,10 @@
 """Token-level stop rules, applied to the tokens a step accepted for one request.
 
 Stop strings are text-level and live in `pdserve.text_stream`; everything decidable from token
-ids alone is here, so the engine, the workers and the router agree on it. Tokens a request
-brought with it (a migrated request's earlier output) count as output: for min_tokens,
-max_tokens and the context limit alike.
+ids alone is here, so the engine, the workers and the router agree on it (the router applies
+them to each token it receives, to know a request's last one as soon as it arrives). Tokens a
+request brought with it (a migrated request's earlier output) count as output: for
+min_tokens, max_tokens and the context limit alike.
 """
 
 from __future__ import annotations

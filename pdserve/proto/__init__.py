@@ -27,8 +27,15 @@ if TYPE_CHECKING:
 #          4 - DecodeReady.kv_ticket, KVTarget.kv_ticket and PushKVRequest.kv_ticket: each
 #              transfer is bound to the ticket its decode worker handed out (KV frames not
 #              tagged under it are dropped; a prefill or push without one is refused).
-#          5 - WorkerInfo.kv_bytes_per_block (the engine's KV layout, for the router's cost).
-WORKER_API_VERSION = 5
+#          5 - prompt logprobs (PrefillResponse, TokenBatch); logit_bias and structured
+#              outputs in SamplingParams; DecodeRequest.n (choices forked on the decode
+#              worker), TokenBatch.index and DecodeFinished.index.
+#          6 - KVEndpoint.nixl: a receiver's NIXL landing pool (agent metadata and slot
+#              layout), sent with the endpoints of DecodeReady / KVTarget / PushKVRequest
+#              only (never in WorkerInfo); senders with NIXL write KV into it.
+#          7 - WorkerInfo.kv_bytes_per_block: bytes of one KV block in the engine's KV layout
+#              (GQA heads or an MLA latent), for the router's load-vs-recompute cost.
+WORKER_API_VERSION = 7
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

@@ -82,13 +82,17 @@ class EngineLoop:
         """Fire-and-forget variant of `call`, usable from any thread."""
         self._commands.put(lambda: fn(self.engine))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StepOutput]:
+    def open_stream(self, request_id: str, *also: str) -> asyncio.Queue[StepOutput]:
+        """One queue for the outputs of `request_id` and of the requests in `also` (the
+        choices forked from it)."""
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._streams[request_id] = q
+        for rid in (request_id, *also):
+            self._streams[rid] = q
         return q
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close_stream(self, request_id: str, *also: str) -> None:
+        for rid in (request_id, *also):
+            self._streams.pop(rid, None)
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:

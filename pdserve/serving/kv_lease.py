@@ -42,11 +42,13 @@ class LeaseConfig:
             if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
-    def transfer_config(self, host: str = "", auth_key: bytes | None = None) -> TransferConfig:
+    def transfer_config(self, host: str = "", auth_key: bytes | None = None,
+                        backend: str = "auto") -> TransferConfig:
         """The transfer engine's config, whose cap on any lease is the longest of these;
-        `host` and `auth_key` as in `TransferConfig` (the worker's bind address, its KV key)."""
+        `host`, `auth_key`, `backend` as in `TransferConfig` (the worker's bind address, its
+        KV key, its torch.distributed transport: `pdserve.serving.kv_transport`)."""
         return TransferConfig(lease_s=max(self.kv_lease_s, self.pull_lease_s), host=host,
-                              auth_key=auth_key)
+                              auth_key=auth_key, backend=backend)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import torch
 from kv_store.tp_layout import wire_request_id
 from kv_store.transfer import TransferError
 from kv_store.transfer.auth import TICKET_BYTES
+from kv_store.transfer.nixl_path import NixlDescriptor
 from pdserve.serving import kv_messages
 from pdserve.serving.kv_messages import PullDone
 
@@ -93,6 +94,12 @@ def plan_push(request, engine: LLMEngine) -> PushPlan:
         raise PushError(grpc.StatusCode.FAILED_PRECONDITION,
                         "hash_extra differs: this worker's KV blocks are not the caller's "
                         "(model, KV dtype or block size)")
+    try:
+        for e in request.endpoints:
+            if e.nixl:
+                NixlDescriptor.decode(e.nixl)
+    except ValueError as exc:
+        raise PushError(bad, f"endpoints: {exc}") from None
     if engine.tp.size != 1:
         raise PushError(grpc.StatusCode.FAILED_PRECONDITION,
                         "pushing KV from a tensor-parallel worker is not supported yet")
@@ -128,6 +135,8 @@ async def push_kv(loop: EngineLoop, sender, request, lease_s: float | None
     if not loop.alive:
         raise PushError(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
     plan = plan_push(request, loop.engine)
+    for e in request.endpoints:  # their NIXL landing pools (b"": gloo to that rank)
+        sender.add_peer(e.address, bytes(e.nixl))
     n, copies = await loop.call(lambda e: copy_blocks(e, plan))
     if n == 0:
         return 0, 0

@@ -184,3 +184,58 @@ def test_tp2_equals_tp1(tiny_deepseek_v3, expert_parallel):
         assert_idle(llm)
     assert got == expected
     assert (logits - ref_logits).abs().max().item() < 1e-4
+
+
+# -- the CPU kernel backend and the weight schemes --------------------------------------------
+def test_mla_under_the_cpu_kernel_backend_equals_the_torch_path(tiny_deepseek_v2):
+    """The C++ paged kernel reads GQA blocks only: MLA layers keep their own torch path
+    whatever backend the engine picked ("auto" is "cpu" wherever the kernel builds)."""
+    prompts = random_prompts([5, 37], VOCAB, seed=12)
+    outs = {}
+    for backend in ("torch", "cpu"):
+        llm = LLM(str(tiny_deepseek_v2), dtype="float32", num_gpu_blocks=32,
+                  attention_backend=backend)
+        assert llm.engine.runner.backend.name == backend
+        outs[backend] = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert outs["cpu"] == outs["torch"]
+
+
+@pytest.fixture(scope="module")
+def dense_mla(tmp_path_factory):
+    """Every layer dense (int4 does not cover MoE experts) and a q bottleneck 4-bit groups
+    divide."""
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("dense_mla"), "deepseek_v3", seed=9,
+                     initializer_range=0.2, first_k_dense_replace=2, q_lora_rank=32)
+
+
+def test_int4_weights_on_mla_equal_their_dequantised_dense_model(dense_mla):
+    """W4A16 runs every MLA projection but kv_b_proj (read as a matrix by the absorbed form,
+    so it stays dense): the logits equal those of the dense model holding the dequantised
+    weights, up to the kernel's bf16 activations."""
+    from pdserve.engine.quant.int4 import Int4LinearMethod
+
+    q = LLM(str(dense_mla), dtype="float32", num_gpu_blocks=32, quantization="int4")
+    dense = LLM(str(dense_mla), dtype="float32", num_gpu_blocks=32)
+    attn = q.engine.runner.model.layers[0].self_attn
+    assert isinstance(attn.kv_a_proj_with_mqa.method, Int4LinearMethod)
+    assert not isinstance(attn.kv_b_proj.method, Int4LinearMethod)
+    modules = dict(dense.engine.runner.model.named_modules())
+    swapped = 0
+    for name, module in q.engine.runner.model.named_modules():
+        if isinstance(getattr(module, "method", None), Int4LinearMethod) and "lm_head" not in name:
+            modules[name].weight.data.copy_(module.method.dequantize())
+            swapped += 1
+    assert swapped == 2 * 6  # q_a, q_b, kv_a, o, gate_up, down in each layer
+    prompt = random_prompts([40], VOCAB, seed=6)[0]
+    want, got = dense.engine.prompt_logits(prompt), q.engine.prompt_logits(prompt)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 0.02
+    assert len(q.generate([prompt], GREEDY)[0].token_ids) == GREEDY.max_tokens
+    assert_idle(q)
+
+
+def test_int4_on_an_mla_moe_model_is_refused_by_name(tiny_deepseek_v2):
+    with pytest.raises(ValueError, match="'int4' does not support MoE expert layers"):
+        LLM(str(tiny_deepseek_v2), dtype="float32", num_gpu_blocks=8, quantization="int4")

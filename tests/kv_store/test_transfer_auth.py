@@ -1,7 +1,8 @@
 """Authenticated transfer pairs: only a sender holding the cluster's KV key opens a pair, and
 nothing written into the receiver's (unauthenticated) TCPStore by anyone else opens one. Bound
 transfers: even a sender with the key reaches a request only with the ticket it was handed.
-Senders run in spawned agent processes (tests/kv_store/test_transfer.py)."""
+Senders run in spawned agent processes (tests/kv_store/test_transfer.py), once per transport:
+over NIXL a refused frame's bytes sit in a landing slot and never reach the sink."""
 
 from __future__ import annotations
 
@@ -22,16 +23,17 @@ OTHER = b"o" * 32
 
 
 @pytest.fixture(scope="module")
-def agent():
-    a = Agent()
+def agent(transport, local_nixl):
+    a = Agent(transport)
     yield a
     a.stop()
 
 
 @pytest.fixture
-def receiver():
+def receiver(local_nixl):
     sink = RecordingSink()
-    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(auth_key=KEY, **FAST))
+    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(auth_key=KEY, **FAST),
+                    nixl=local_nixl)
     rx.start()
     rx.sink = sink
     yield rx
@@ -39,26 +41,27 @@ def receiver():
 
 
 @pytest.fixture
-def bound():
+def bound(local_nixl):
     """A receiver whose requests take only frames tagged under their ticket (`book`)."""
     sink, book = RecordingSink(), {}
     rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(auth_key=KEY, **FAST),
-                    tickets=book.get)
+                    tickets=book.get, nixl=local_nixl)
     rx.start()
     rx.sink, rx.book = sink, book
     yield rx
     rx.close()
 
 
-def _send(agent, address, rid, key, ticket=b"", member=0):
-    """Send a 2-layer request; `member` picks another sender (another pair) of the agent."""
+def _send(agent, rx, rid, key, ticket=b"", member=0):
+    """Send a 2-layer request to `rx` (over its landing pool when it has one); `member`
+    picks another sender (another pair) of the agent."""
     config = {**FAST, "connect_timeout_s": 5.0 + member, **({"auth_key": key} if key else {})}
-    return agent.call("send", address=address, rid=rid, layers=2, n=3, dtype="float32",
-                      body=b"first 7", config=config, ticket=ticket)
+    return agent.call("send", address=rx.address, rid=rid, layers=2, n=3, dtype="float32",
+                      body=b"first 7", config=config, ticket=ticket, peer=rx.nixl_descriptor)
 
 
 def test_a_signed_pair_carries_kv_bit_exact(agent, receiver):
-    out = _send(agent, receiver.address, "signed", KEY)
+    out = _send(agent, receiver, "signed", KEY)
     assert out["state"] == "done", out
     assert receiver.sink.wait_for("done", "signed")[2] == b"first 7"
     receiver.sink.assert_exact("signed", 2, 3, torch.float32)
@@ -66,11 +69,11 @@ def test_a_signed_pair_carries_kv_bit_exact(agent, receiver):
 
 def test_senders_without_the_key_are_refused_and_the_receiver_keeps_serving(agent, receiver):
     for rid, key in (("unsigned", None), ("wrong-key", OTHER)):
-        out = _send(agent, receiver.address, rid, key)
+        out = _send(agent, receiver, rid, key)
         assert out["state"] == "failed" and "error" in out, out
         assert receiver.sink.kinds(rid) == []  # not a single frame reached the sink
     assert receiver.stats()["pairs_refused"] == 2
-    assert _send(agent, receiver.address, "after", KEY)["state"] == "done"
+    assert _send(agent, receiver, "after", KEY)["state"] == "done"
     receiver.sink.assert_exact("after", 2, 3, torch.float32)
 
 
@@ -87,7 +90,7 @@ def _offer(store, pair_id: int, hello: bytes) -> dict:
 
 
 def test_forged_and_replayed_hellos_in_the_store_open_nothing(agent, receiver):
-    assert _send(agent, receiver.address, "real", KEY)["state"] == "done"
+    assert _send(agent, receiver, "real", KEY)["state"] == "done"
     store = _store(receiver)
     signed = store.get("pairs/1/hello")  # what the real sender wrote, readable by anyone
     forged = wire.pack({"kind": "hello", "sender": "x:1", "host": "127.0.0.1",
@@ -109,7 +112,7 @@ def test_queue_entries_without_a_hello_stall_no_real_offer(agent, receiver):
         store.queue_push("pairs/hello", str(store.add("pairs/next", 1)))  # for its timeout
     out = agent.call("send", address=receiver.address, rid="behind", layers=1, n=1,
                      dtype="float32", config={**FAST, "connect_timeout_s": 3.0,
-                                              "auth_key": KEY})
+                                              "auth_key": KEY}, peer=receiver.nixl_descriptor)
     assert out["state"] == "done", out
     receiver.sink.wait_for("done", "behind")
 
@@ -135,23 +138,23 @@ def test_a_member_with_the_key_but_not_the_ticket_reaches_no_request(agent, boun
     bound.book["victim"] = ticket = new_ticket()
     for member, forged in ((1, new_ticket()), (2, b"")):  # a ticket of its own; none at all
         for rid in ("victim", "stranger"):
-            assert _send(agent, bound.address, rid, KEY, forged, member)["state"] == "done"
+            assert _send(agent, bound, rid, KEY, forged, member)["state"] == "done"
     assert wait_until(lambda: bound.stats()["frames_refused"] == 6)  # 2 layers + DONE, twice
     # "stranger" was never expected: dropped without a record
     assert bound.sink.kinds("victim") == [] and bound.sink.kinds("stranger") == []
-    assert _send(agent, bound.address, "victim", KEY, ticket)["state"] == "done"
+    assert _send(agent, bound, "victim", KEY, ticket)["state"] == "done"
     assert bound.sink.wait_for("done", "victim")[2] == b"first 7"
     bound.sink.assert_exact("victim", 2, 3, torch.float32)
     bound.book["next"] = nxt = new_ticket()  # the refusing pair still carries real work
-    assert _send(agent, bound.address, "next", KEY, nxt, member=1)["state"] == "done"
+    assert _send(agent, bound, "next", KEY, nxt, member=1)["state"] == "done"
     bound.sink.assert_exact("next", 2, 3, torch.float32)
 
 
 def test_late_frames_of_an_earlier_transfer_of_the_same_id_are_refused(agent, bound):
     earlier, now = new_ticket(), new_ticket()
     bound.book["again"] = now  # the request was reserved anew (a retry) since `earlier`
-    assert _send(agent, bound.address, "again", KEY, earlier, member=1)["state"] == "done"
+    assert _send(agent, bound, "again", KEY, earlier, member=1)["state"] == "done"
     assert wait_until(lambda: bound.stats()["frames_refused"] == 3)
     assert bound.sink.kinds("again") == []
-    assert _send(agent, bound.address, "again", KEY, now)["state"] == "done"
+    assert _send(agent, bound, "again", KEY, now)["state"] == "done"
     bound.sink.assert_exact("again", 2, 3, torch.float32)

@@ -28,7 +28,7 @@ class ScriptedFlow:
         self.script = script
         self.rids: list[str] = []
 
-    async def run(self, rid, req, timeout_s, timings):
+    async def run(self, rid, req, timeout_s, timings, n=1):
         self.rids.append(rid)
         for item in self.script:
             if isinstance(item, Exception):

@@ -24,7 +24,7 @@ from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.attention.mla import MLAHeads, mla_attend, write_latent
 from pdserve.engine.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding, yarn_softmax_mscale
+from pdserve.engine.layers.rotary import RopeAt, RotaryEmbedding, yarn_softmax_mscale
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel import ParallelContext
 
@@ -66,9 +66,10 @@ class MLAttention(nn.Module):
         self.rotary = rotary
         self.scale = m.qk_head_dim ** -0.5 * yarn_softmax_mscale(cfg.rope)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+    def forward(self, rope: RopeAt, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        """`backend` is the GQA backend the decoder passes every layer; MLA has its own."""
+        """`backend` is the GQA backend the decoder passes every layer (the CPU kernel's
+        too); MLA does not use it: the latent cache has its own torch path."""
         m, t = self.mla, x.shape[0]
         q = self.q_proj(x) if m.q_lora_rank is None else self.q_b_proj(
             self.q_a_layernorm(self.q_a_proj(x)))
@@ -76,18 +77,18 @@ class MLAttention(nn.Module):
             [m.qk_nope_head_dim, m.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
-        q_rope, k_rope = self._rotate(positions, q_rope, k_rope.unsqueeze(1))
+        q_rope, k_rope = self._rotate(rope, q_rope, k_rope.unsqueeze(1))
         write_latent(cache, self.kv_a_layernorm(latent), k_rope[:, 0], meta)
         heads = MLAHeads(self.kv_b_proj.weight, self.num_heads, m.qk_nope_head_dim,
                          m.v_head_dim)
         out = mla_attend(q_nope, q_rope, cache, meta, heads, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * m.v_head_dim))
 
-    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def _rotate(self, rope: RopeAt, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.mla.rope_interleave:
             q, k = _deinterleave(q), _deinterleave(k)
-        return self.rotary(positions, q, k)
+        return self.rotary(rope, q, k)
 
 
 def _deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,13 @@
 yarn frequency schedules, and explicit per-frequency divisors (GGUF `rope_freqs`). cos/sin are
 tabulated once for every position up to the model length; yarn also scales them by its
 attention factor (as transformers does), and `yarn_softmax_mscale` gives the extra softmax
-scale DeepSeek's `mscale_all_dim` asks for."""
+scale DeepSeek's `mscale_all_dim` asks for. `at(positions)` looks up a step's rows once, and
+every layer rotates with them."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -99,6 +101,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+@dataclass(frozen=True)
+class RopeAt:
+    """cos and sin rows of one step's positions, [T, 1, head_dim] in the activations' dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -110,9 +120,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The rows for `positions` [T], once per step (shared by every layer)."""
+        return RopeAt(self.cos[positions].unsqueeze(1).to(dtype),
+                      self.sin[positions].unsqueeze(1).to(dtype))
+
+    def forward(self, rope: RopeAt | torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        """q: [T, H, D], k: [T, KVH, D]; `rope`: this step's rows, or the positions [T]."""
+        if not isinstance(rope, RopeAt):
+            rope = self.at(rope, q.dtype)
+        cos, sin = rope.cos, rope.sin
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

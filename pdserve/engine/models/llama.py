@@ -25,12 +25,14 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RopeAt, RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel import SINGLE, ParallelContext
 
 # Called after each layer has written its KV: the prefill worker streams that layer out.
 LayerHook = Callable[[int], None]
+# Runs one layer: (layer, rope, x, cache, meta, backend) -> x.
+RunLayer = Callable[..., torch.Tensor]
 
 _STACKED = (  # (our parameter, checkpoint name, shard id)
     ("qkv_proj", "q_proj", "q"),
@@ -55,11 +57,11 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+    def forward(self, rope: RopeAt, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.project(x)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         backend.write_kv(cache, k, v, meta)
         out = backend.attend(q, cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -98,8 +100,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, positions, x, cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta, backend)
+    def forward(self, rope, x, cache, meta, backend):
+        x = x + self.self_attn(rope, self.input_layernorm(x), cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -110,6 +112,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.tp = tp
         rotary = self.make_rotary(cfg, max_positions or cfg.max_position_embeddings)
+        self.rotary = rotary  # one table for every layer, looked up once per step
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, cfg, dtype, tp, rotary)
                                     for i in range(cfg.num_layers))
@@ -129,25 +132,30 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend, layer_hook: LayerHook | None = None
-                ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+                backend: AttentionBackend, layer_hook: LayerHook | None = None,
+                run_layer: RunLayer | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `run_layer(layer, rope, x, cache,
+        meta, backend)` replaces the plain call of each layer (a compiled decode step)."""
         return self.forward_features(input_ids, positions, caches, meta, backend,
-                                     layer_hook)[0]
+                                     layer_hook, run_layer=run_layer)[0]
 
     def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor,
                          caches: list[torch.Tensor], meta: AttentionMetadata,
                          backend: AttentionBackend, layer_hook: LayerHook | None = None,
-                         aux_layers: tuple[int, ...] = ()
+                         aux_layers: tuple[int, ...] = (), run_layer: RunLayer | None = None
                          ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward`, plus the residual stream entering each layer of `aux_layers` (what an
         EAGLE-3 drafter fuses), in that order."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             if i in aux_layers:
                 taken[i] = x
-            x = layer(positions, x, caches[i], meta, backend)
+            if run_layer is None:
+                x = layer(rope, x, caches[i], meta, backend)
+            else:
+                x = run_layer(layer, rope, x, caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x), [taken[i] for i in aux_layers]

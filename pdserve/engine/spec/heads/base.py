@@ -8,8 +8,9 @@ KV over positions (`kv_layout`); Medusa has none (`medusa.py`, its own proposer)
 
 Checkpoints are read in the layouts vLLM loads (names and shapes; see each head's module).
 Embeddings and LM heads a head does not carry are the target's: shared tensors when the
-target runs on one rank, a full copy read from the target checkpoint otherwise (rank 0 of a
-tensor-parallel target holds only a vocabulary slice).
+target runs on one rank with a dense LM head, a full copy read from the target checkpoint
+otherwise (rank 0 of a tensor-parallel target holds only a vocabulary slice; an int4 or bf16
+`lm_head_dtype` releases an untied head's dense weight).
 """
 
 from __future__ import annotations
@@ -122,8 +123,10 @@ def target_embedding_and_head(engine: LLMEngine) -> tuple[torch.Tensor, torch.Te
     """The target's input embedding and LM head, [V, H] each, whole (see the module doc)."""
     model = engine.runner.model
     v = engine.vocab_size
-    if engine.tp.size == 1:
-        return model.embed_tokens.weight[:v], model.lm_head.weight[:v]
+    embed, head = model.embed_tokens.weight, model.lm_head.weight
+    if engine.tp.size == 1 and head.shape == embed.shape:
+        return embed[:v], head[:v]
+    # TP > 1, or an LM head whose dense weight was released for a 4-bit / bf16 copy.
     from pdserve.engine.checkpoint import open_checkpoint
 
     found: dict[str, torch.Tensor] = {}
