@@ -93,6 +93,7 @@ def main() -> None:
         sys.exit(f"no head at {a.head}: run bench/train_draft_head.py --out {a.head} first")
     torch.set_num_threads(a.threads)
     llms = {name: LLM(dtype="float32", max_num_seqs=16, enable_prefix_caching=False,
+                      num_gpu_blocks=256,
                       speculative_config=cfg) for name, cfg in configs(a.head, a.k).items()}
     tok = llms["off"].tokenizer
     prompts = [chat(tok, t) for t in EVAL]
