@@ -239,3 +239,20 @@ def test_int4_weights_on_mla_equal_their_dequantised_dense_model(dense_mla):
 def test_int4_on_an_mla_moe_model_is_refused_by_name(tiny_deepseek_v2):
     with pytest.raises(ValueError, match="'int4' does not support MoE expert layers"):
         LLM(str(tiny_deepseek_v2), dtype="float32", num_gpu_blocks=8, quantization="int4")
+
+
+def test_forked_choices_copy_latent_blocks(tiny_deepseek_v2):
+    """n > 1 on an MLA model: the choices share the prompt's latent blocks and copy the
+    partial last one; each equals a separate request with its seed."""
+    from pdserve.engine.sampler import choice_seed
+    from tests.engine.test_fork import run
+
+    llm = LLM(str(tiny_deepseek_v2), dtype="float32", num_gpu_blocks=64)
+    prompt = random_prompts([37], VOCAB, seed=14)[0]
+    params = SamplingParams(max_tokens=6, temperature=1.0, ignore_eos=True)
+    choices, computed = run(llm, prompt, params, 3, seed=21)
+    alone = [llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0,
+                                                   ignore_eos=True, seed=choice_seed(21, j)))
+             [0].token_ids for j in range(3)]
+    assert choices == alone and computed == 37 + 2
+    assert_idle(llm)
