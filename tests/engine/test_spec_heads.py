@@ -171,3 +171,22 @@ def test_head_configs_are_checked(tiny_llama, random_heads, tiny_deepseek_v2, tm
         LLM(str(tiny_llama), **BASE, speculative_config={
             "method": "eagle", "model": str(wide), "num_speculative_tokens": 1})
     assert default_aux_layers(30) == (2, 15, 27) and default_aux_layers(2) == (1, 1, 0)
+
+
+def test_an_int4_lm_head_leaves_the_drafter_the_dense_one(tiny_llama, fitted_eagle):
+    """lm_head_dtype="int4" releases an untied LM head's dense weight: the head reads the
+    target's LM head from the checkpoint instead, and output still equals speculation off."""
+    from safetensors.torch import load_file
+
+    prompts = fit_prompts(VOCAB)[:2]
+    params = SamplingParams(max_tokens=FIT_TOKENS, temperature=0.0, ignore_eos=True)
+    opts = dict(quantization="int4", lm_head_dtype="int4")
+    ref = [o.token_ids for o in LLM(str(tiny_llama), **BASE, **opts).generate(prompts, params)]
+    spec = {"method": "eagle", "model": str(fitted_eagle), "num_speculative_tokens": K,
+            "adaptive": False}
+    llm, got = _generate(tiny_llama, spec, prompts, params, **opts)
+    assert llm.engine.runner.model.lm_head.weight.numel() == 0
+    want = load_file(str(tiny_llama / "model.safetensors"))["lm_head.weight"]
+    torch.testing.assert_close(llm.engine.spec.proposer.head.lm_head, want)
+    assert got == ref and llm.engine.stats()["spec_drafts_accepted"] > 0
+    _idle(llm)
