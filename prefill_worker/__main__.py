@@ -16,6 +16,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.worker_base import (
+    DrainConfig,
     announce_ready,
     drain,
     run_worker,
@@ -52,7 +53,8 @@ async def serve(options: WorkerOptions) -> None:
 
     async def cleanup() -> None:
         # A prefill answers before its KV has reached the decode worker: wait for that too.
-        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0)
+        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0,
+                    DrainConfig.of(options))
         loop.stop()
         engine.close()
         sender.close()

@@ -98,12 +98,14 @@ class Flow:
         self._background: set[asyncio.Task] = set()  # prefetch hints in flight
 
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
-                  timings: FlowTimings) -> AsyncIterator[TokenEvent | FinishEvent]:
+                  timings: FlowTimings, decode_allowed: frozenset[str] | None = None
+                  ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """`decode_allowed`: addresses admission control lets take it (None: any)."""
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
         blocks = self._prompt_blocks(req.prompt_token_ids)
-        d = self._pick_decode(blocks.matches)
+        d = self._pick_decode(blocks.matches, decode_allowed)
         self._hint(rid, d, blocks)
         self._expect_blocks(d, blocks.hashes)
         source = self._pull_source(rid, d, blocks, len(req.prompt_token_ids))
@@ -269,8 +271,9 @@ class Flow:
         self._turn[role] += 1
         return self._turn[role] % len(healthy)
 
-    def _pick_decode(self, matches: dict[str, PrefixMatch]) -> WorkerHandle:
-        healthy = self.decode.healthy()
+    def _pick_decode(self, matches: dict[str, PrefixMatch],
+                     allowed: frozenset[str] | None = None) -> WorkerHandle:
+        healthy = [w for w in self.decode.healthy() if allowed is None or w.address in allowed]
         if self.routing == "round-robin":
             i = self._round_robin("decode", healthy)
         else:

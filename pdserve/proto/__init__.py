@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 # Revision of the worker API this tree implements, reported in WorkerInfo.api_version.
 # History: 1 - initial version.
 #          2 - PushKV and DecodeRequest.kv_source (a decode worker pulls a prefix).
-WORKER_API_VERSION = 2
+#          3 - WorkerStats.step_model and WorkerInfo.max_num_seqs / max_num_batched_tokens
+#              (the router's admission control reads them).
+WORKER_API_VERSION = 3
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

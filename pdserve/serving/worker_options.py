@@ -36,6 +36,9 @@ class WorkerOptions:
     """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
     under its gRPC address and publishes its prefix-cache changes ("" = none: the router
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: longest wait for the calls in flight (and KV transfers) to finish before
+    the worker exits (`--drain-timeout`; `worker_base.DrainConfig.grace_s`)."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -74,6 +77,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, longest wait in seconds for requests in flight to finish "
+                        "before exiting (default 30)")
 
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
@@ -93,9 +99,12 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
         tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
+    if not 0 <= a.drain_timeout <= 3600:
+        raise ValueError(f"--drain-timeout must be in [0, 3600] seconds, got {a.drain_timeout}")
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
-                         metrics_port=a.metrics_port, redis_url=a.redis)
+                         metrics_port=a.metrics_port, redis_url=a.redis,
+                         drain_timeout_s=a.drain_timeout)

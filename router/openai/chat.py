@@ -13,20 +13,22 @@ from aiohttp import web
 
 from router.frontend import OutputChunk, Usage
 from router.openai.errors import RequestError
-from router.openai.generation import ApiContext, respond
+from router.openai.generation import ApiContext, read_json, respond, tokenize
 from router.openai.responses import TokenText, chat_logprobs, token_text, usage_json
-from router.openai.schemas import check_prompt_ids, parse_chat, parse_json_body
-from router.validation import ValidRequest
+from router.openai.schemas import parse_chat
+from router.validation import ValidRequest, check_prompt_ids
 
 
 async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
-    req = parse_chat(parse_json_body(await request.read()), ctx.model)
+    req = parse_chat(await read_json(request, ctx), ctx.model)
     tokenizer = ctx.frontend.tokenizer
     try:
-        ids = tokenizer.encode_chat([dict(m) for m in req.messages])
+        ids = await tokenize(ctx.frontend.tokens.encode_chat([dict(m) for m in req.messages]))
+    except RequestError:
+        raise
     except ValueError as exc:  # no template, or the template refused these messages
         raise RequestError(f"messages: {exc}", "messages") from None
-    check_prompt_ids(ids, ctx.model, "messages")
+    check_prompt_ids(ids, ctx.model.limits, "messages")
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     shaper = ChatShaper(rid, int(time.time()), ctx.model.id, token_text(tokenizer),
                         req.logprobs)

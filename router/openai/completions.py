@@ -8,17 +8,20 @@ import uuid
 from aiohttp import web
 
 from router.frontend import OutputChunk, Usage
-from router.openai.generation import ApiContext, respond
+from router.openai.generation import ApiContext, read_json, respond, tokenize
 from router.openai.responses import TokenText, completion_logprobs, token_text, usage_json
-from router.openai.schemas import check_prompt_ids, parse_completion, parse_json_body
-from router.validation import ValidRequest
+from router.openai.schemas import parse_completion
+from router.validation import ValidRequest, check_prompt_ids
 
 
 async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
-    req = parse_completion(parse_json_body(await request.read()), ctx.model)
+    req = parse_completion(await read_json(request, ctx), ctx.model)
     tokenizer = ctx.frontend.tokenizer
-    ids = tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
-    check_prompt_ids(ids, ctx.model, "prompt")
+    if isinstance(req.prompt, str):
+        ids = await tokenize(ctx.frontend.tokens.encode(req.prompt))
+    else:
+        ids = list(req.prompt)
+    check_prompt_ids(ids, ctx.model.limits, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     shaper = CompletionShaper(rid, int(time.time()), ctx.model.id, token_text(tokenizer),
                               req.params.logprobs is not None)

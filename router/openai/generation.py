@@ -1,6 +1,9 @@
-"""Run one validated request through the frontend and answer it as JSON or as an SSE stream.
+"""Read a request body, run one validated request through the frontend, and answer it as JSON
+or as an SSE stream.
 
-    capacity check ─► first chunk ─┬─ not streaming: collect the rest ─► one JSON body
+    body: Content-Length over the limit ─► 413 at once; not all there within body_timeout ─► 408
+    admission (first chunk) ─► refused: 429 + Retry-After
+                  ─► first chunk ─┬─ not streaming: collect the rest ─► one JSON body
                                    └─ streaming: 200 + head events, one event per chunk,
                                       [usage event], [DONE]
     An error before the first chunk is an HTTP error; after it, a final `data: {"error": ...}`.
@@ -11,21 +14,32 @@ generator, whose flow cancels the worker calls, so the workers free the request'
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import grpc
 from aiohttp import web
 
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk, Usage
+from router.frontend import Frontend, OutputChunk, Overloaded, Usage
 from router.openai import sse
-from router.openai.errors import ApiError, from_status
+from router.openai.errors import (
+    ApiError,
+    body_too_large,
+    from_status,
+    request_timeout,
+    too_many_requests,
+)
 from router.openai.responses import joined
-from router.openai.schemas import ServedModel
+from router.openai.schemas import ServedModel, parse_json_body
+from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +50,31 @@ class ApiContext:
 
     frontend: Frontend
     model: ServedModel
+    max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout_s: float = 30.0
+    """Longest wait for a request body, from the end of its headers."""
+
+
+async def read_json(request: web.Request, ctx: ApiContext) -> Any:
+    """The request's JSON body: 413 when it is larger than allowed (before reading it, when
+    Content-Length says so), 408 when it does not arrive in time, 400 when it is not JSON."""
+    if request.content_length is not None and request.content_length > ctx.max_body_bytes:
+        raise body_too_large(ctx.max_body_bytes)
+    try:
+        raw = await asyncio.wait_for(request.read(), ctx.body_timeout_s)
+    except TimeoutError:
+        raise request_timeout("body", ctx.body_timeout_s) from None
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(ctx.max_body_bytes) from None
+    return parse_json_body(raw)
+
+
+async def tokenize(job: Awaitable[T]) -> T:
+    """A tokenizer job; a busy tokenizer pool is a 429."""
+    try:
+        return await job
+    except TokenizerBusy as exc:
+        raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
 
 
 class Shaper(Protocol):
@@ -57,15 +96,14 @@ class Shaper(Protocol):
 async def respond(request: web.Request, ctx: ApiContext, req: ValidRequest, shaper: Shaper,
                   stream: bool, include_usage: bool) -> web.StreamResponse:
     frontend = ctx.frontend
-    if frontend.saturated:
-        raise ApiError(429, f"router has {frontend.inflight} requests in flight; retry later",
-                       "rate_limit_error", None, "resource_exhausted")
     async with aclosing(frontend.generate(req, None)) as chunks:
         try:
             chunk = await _next(chunks)
             if not stream:
                 collected = [chunk] + [c async for c in chunks]
                 return web.json_response(shaper.body(joined(collected)), dumps=sse.dumps)
+        except Overloaded as exc:
+            raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
         except FlowError as exc:
             raise from_status(exc.code, str(exc)) from None
         resp = await sse.open_stream(request)

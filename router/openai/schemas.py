@@ -16,9 +16,8 @@ from typing import Any
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.openai.errors import RequestError, model_not_found
+from router.validation import RequestLimits, check_params, check_text
 
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
 
@@ -45,6 +44,12 @@ class ServedModel:
     vocab_size: int
     created: int
     """Unix time the router started (the `created` of /v1/models)."""
+    max_token_bytes: int = 4
+    """Bytes of the tokenizer's longest token (`RequestLimits`)."""
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(self.max_model_len, self.vocab_size, self.max_token_bytes)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,10 @@ def parse_completion(body: Any, model: ServedModel) -> CompletionRequest:
         raise RequestError("logprobs must be an integer", "logprobs")
     params = _sampling(fields, model, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
     stream, usage = _stream(fields)
-    return CompletionRequest(_prompt(fields.get("prompt")), params, stream, usage)
+    prompt = _prompt(fields.get("prompt"))
+    if isinstance(prompt, str):
+        check_text(prompt, model.limits, "prompt")  # before anyone tokenises it
+    return CompletionRequest(prompt, params, stream, usage)
 
 
 def parse_chat(body: Any, model: ServedModel) -> ChatRequest:
@@ -101,7 +109,10 @@ def parse_chat(body: Any, model: ServedModel) -> ChatRequest:
     max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
     params = _sampling(fields, model, max_field, model.max_model_len, top if want_lp else None)
     stream, usage = _stream(fields)
-    return ChatRequest(_messages(fields.get("messages")), params, stream, usage, want_lp)
+    messages = _messages(fields.get("messages"))
+    # The contents bound the rendered prompt's tokens from below, as a text's bytes do.
+    check_text("\n".join(m["content"] for m in messages) or " ", model.limits, "messages")
+    return ChatRequest(messages, params, stream, usage, want_lp)
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -115,19 +126,6 @@ def parse_json_body(raw: bytes) -> Any:
         raise RequestError("the request body is nested too deeply") from None
     except ValueError as exc:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
-
-
-def check_prompt_ids(ids: list[int], model: ServedModel, param: str) -> None:
-    """Token ids the workers accept: non-empty, in the vocabulary, leaving room for output."""
-    if not ids:
-        raise RequestError(f"{param} must not be empty", param)
-    bad = [t for t in ids if not 0 <= t < model.vocab_size]
-    if bad:
-        raise RequestError(f"{param} contains token ids outside [0, {model.vocab_size}): "
-                           f"{bad[:5]}", param)
-    if len(ids) >= model.max_model_len:
-        raise RequestError(f"{param} has {len(ids)} tokens; the model's context is "
-                           f"{model.max_model_len} tokens", param)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -163,9 +161,6 @@ def _check_common(fields: dict[str, Any], model: ServedModel) -> None:
 def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_default: int,
               logprobs: int | None) -> SamplingParams:
     max_tokens = fields.get(max_field, max_default)
-    if _is_int(max_tokens) and max_tokens > model.max_model_len:
-        raise RequestError(f"{max_field} must be <= the model's context "
-                           f"({model.max_model_len}), got {max_tokens}", max_field)
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
     try:
         params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
@@ -174,17 +169,8 @@ def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_de
         first = str(exc).split(" ", 1)[0]
         param = max_field if first == "max_tokens" else first if first in fields else None
         raise RequestError(str(exc), param) from None
-    _check_wire_ranges(params)
+    check_params(params, model.limits, max_field)  # the limits gRPC requests meet too
     return params
-
-
-def _check_wire_ranges(p: SamplingParams) -> None:
-    """Values SamplingParams accepts but the float32/int32 fields of the worker RPCs cannot."""
-    if p.top_k > INT32_MAX:
-        raise RequestError(f"top_k must be <= {INT32_MAX}, got {p.top_k}", "top_k")
-    for name in ("temperature", "repetition_penalty"):
-        if getattr(p, name) > FLOAT32_MAX:
-            raise RequestError(f"{name} must be <= {FLOAT32_MAX:g}", name)
 
 
 def _stream(fields: dict[str, Any]) -> tuple[bool, bool]:

@@ -5,13 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.openai.errors import ApiError, RequestError
-from router.openai.schemas import (
-    ServedModel,
-    check_prompt_ids,
-    parse_chat,
-    parse_completion,
-    parse_json_body,
-)
+from router.openai.schemas import ServedModel, parse_chat, parse_completion, parse_json_body
+from router.validation import check_prompt_ids
 
 MODEL = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
 USER = [{"role": "user", "content": "hi"}]
@@ -173,5 +168,5 @@ def test_a_body_that_is_not_an_object_is_refused():
 ])
 def test_prompt_ids_must_fit_the_model(ids, match):
     with pytest.raises(RequestError, match=match) as err:
-        check_prompt_ids(ids, MODEL, "prompt")
+        check_prompt_ids(ids, MODEL.limits, "prompt")
     assert err.value.param == "prompt"
