@@ -189,7 +189,7 @@ class WorkerPool:
         take = member and self.events_from_stats  # a retiring worker is polled for health only
         snapshot = take and w.needs_snapshot
         try:
-            if w.info is None:
+            if w.info is None or not w.healthy:  # a worker back from the dead: read afresh
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
             # Workers answer from a snapshot, so even a busy one replies in milliseconds;
             # the slack covers a starved machine, not a slow engine step.

@@ -174,16 +174,16 @@ def check_generate(req: pb.GenerateRequest, limits: RequestLimits, model_id: str
     check_params(params, limits)
     which = req.WhichOneof("prompt")
     if which == "text":
-        check_text(req.text, limits, "text")
+        check_text(req.text, limits, "prompt text")
         return GenerateInput(req.request_id, req.text, None, params)
     if which == "token_ids":
         ids = list(req.token_ids.ids)
-        check_prompt_ids(ids, limits, "token_ids")
+        check_prompt_ids(ids, limits, "prompt token_ids")
         return GenerateInput(req.request_id, None, ids, params)
     raise RequestError("prompt must be set (text or token_ids)", "prompt")
 
 
 def complete(inp: GenerateInput, ids: list[int], limits: RequestLimits) -> ValidRequest:
     """The request once its text is tokenised (`ids`; the given token ids otherwise)."""
-    check_prompt_ids(ids, limits, "text" if inp.text is not None else "token_ids")
+    check_prompt_ids(ids, limits, "prompt text" if inp.text is not None else "prompt token_ids")
     return ValidRequest(inp.request_id, ids, inp.params)

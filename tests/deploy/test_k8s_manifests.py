@@ -141,11 +141,10 @@ def test_workers_bind_the_pod_ip_register_in_redis_and_are_probed_on_their_port(
         assert a.kv_port in ports
     from pdserve.serving import worker_base
 
-    if hasattr(worker_base, "DrainConfig"):  # SIGKILL must not land in the middle of a drain
-        drain = worker_base.DrainConfig()
-        grace = objects[("Deployment", f"pdserve-{role}")]["spec"]["template"]["spec"][
-            "terminationGracePeriodSeconds"]
-        assert grace > drain.notice_s + drain.grace_s
+    # SIGKILL must not land in the middle of a drain (registry notice + --drain-timeout).
+    grace = objects[("Deployment", f"pdserve-{role}")]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    assert grace > worker_base.DrainConfig().notice_s + a.drain_timeout
 
 
 def test_router_discovers_workers_and_serves_its_ports(objects):
@@ -165,6 +164,11 @@ def test_router_discovers_workers_and_serves_its_ports(objects):
     assert int(annotations["prometheus.io/port"]) == http.port  # /metrics is on the HTTP port
     svc = objects[("Service", "pdserve-router")]
     assert {p["port"] for p in svc["spec"]["ports"]} == {50051, 8000}
+    # SIGKILL must not cut the streams the router is finishing: preStop + --shutdown-grace.
+    sleep = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep[0] == "sleep"
+    grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > float(sleep[1]) + cfg.shutdown_grace_s
 
 
 def _worker_metric_names() -> set[str]:
