@@ -30,7 +30,7 @@ from pathlib import Path
 
 from pdserve.serving.worker_base import READY_PREFIX
 from pdserve.serving.worker_options import REDIS_URL_ENV
-from pdserve.supervisor import Supervisor
+from pdserve.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass(frozen=True)
@@ -98,16 +98,17 @@ class LocalCluster:
     def workers(self, role: str) -> list[Child]:
         return [c for c in self.children if c.info.get("role") == role]
 
-    def start(self, timeout_s: float = 180.0, supervise: bool = False) -> LocalCluster:
+    def start(self, timeout_s: float = 180.0, supervise: bool = False,
+              restart: RestartPolicy | None = None) -> LocalCluster:
         """Start every child and wait until each serves; `supervise`: respawn any that exits
-        from then on (until `stop`)."""
+        from then on (until `stop`), waiting as `restart` says."""
         try:
             self._start(timeout_s)
         except BaseException:
             self.stop()
             raise
         if supervise:
-            self.supervisor = Supervisor(self)
+            self.supervisor = Supervisor(self, restart or RestartPolicy())
             self.supervisor.start()
         return self
 

@@ -37,13 +37,16 @@ def greedy_request(prompt: list[int], max_tokens: int) -> pb.GenerateRequest:
 
 
 async def generate(stub: pb_grpc.PDServeStub, index: int, request: pb.GenerateRequest,
-                   timeout_s: float) -> Outcome:
+                   timeout_s: float, streaming: asyncio.Event | None = None) -> Outcome:
+    """One request; `streaming` is set when its first token arrives."""
     out = Outcome(index, started=time.monotonic())
     call = stub.Generate(request, timeout=timeout_s)
     try:
         async for msg in call:
             if msg.token_ids and out.first_token is None:
                 out.first_token = time.monotonic()
+                if streaming is not None:
+                    streaming.set()
             out.token_ids.extend(msg.token_ids)
     except grpc.aio.AioRpcError as exc:
         out.status = exc.code().name
@@ -65,3 +68,20 @@ async def run_load(address: str, requests: list[pb.GenerateRequest], concurrency
                 return await generate(stub, i, r, timeout_s)
 
         return list(await asyncio.gather(*(one(i, r) for i, r in enumerate(requests))))
+
+
+async def signal_once_streaming(address: str, requests: list[pb.GenerateRequest],
+                                fault, timeout_s: float = 120.0):
+    """Start every request at once; when each has streamed a token, await `fault()` (it
+    injects the fault and may probe the server). Returns (outcomes, when the fault began,
+    what `fault()` returned)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.PDServeStub(channel)
+        flags = [asyncio.Event() for _ in requests]
+        tasks = [asyncio.ensure_future(generate(stub, i, r, timeout_s, flags[i]))
+                 for i, r in enumerate(requests)]
+        waits = [asyncio.ensure_future(f.wait()) for f in flags]
+        await asyncio.wait([*waits], return_when=asyncio.ALL_COMPLETED, timeout=timeout_s)
+        began = time.monotonic()
+        result = await fault()
+        return list(await asyncio.gather(*tasks)), began, result
