@@ -76,7 +76,12 @@ class PDServeService:
         except Overloaded as exc:
             await _abort_retry(context, str(exc), exc.retry_after_s)
         except FlowError as exc:
-            await context.abort(exc.code, str(exc))
+            left = context.time_remaining()
+            # A worker call cut by the request's own deadline ends CANCELLED or UNAVAILABLE
+            # on its side; the client's status is the deadline.
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if left is not None and left <= 0 \
+                else exc.code
+            await context.abort(code, str(exc))
         except asyncio.CancelledError:
             log.info("request %s cancelled by the client", public_id)
             raise
