@@ -132,9 +132,13 @@ class Frontend:
         room = self.limits.max_model_len - len(req.prompt_token_ids)
         return max(min(req.params.max_tokens, room), 1)
 
-    def _admit(self, req: ValidRequest, max_out: int, timeout_s: float) -> frozenset[str]:
-        """The decode workers that may take the request; `Overloaded` if none may."""
+    def _admit(self, req: ValidRequest, max_out: int, timeout_s: float
+               ) -> frozenset[str] | None:
+        """The decode workers that may take the request; `Overloaded` if none may. None when
+        there is none at all: the flow answers that (UNAVAILABLE, retryable)."""
         healthy = self.decode.healthy()
+        if not healthy:
+            return None
         n_prompt = len(req.prompt_token_ids)
         remote = policy.prefill_remotely(n_prompt, 0, self.config.local_prefill_tokens,
                                          bool(self.prefill.healthy()))
