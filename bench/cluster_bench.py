@@ -24,7 +24,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
@@ -62,8 +61,8 @@ def engine_latency(model: Path, ps, max_tokens: int) -> list[tuple[float, float]
     return out
 
 
-def counters(address: str) -> dict[str, float]:
-    with grpc.insecure_channel(address) as ch:
+def counters(cluster: LocalCluster, address: str) -> dict[str, float]:
+    with cluster.security.channel(address) as ch:
         s = worker_pb_grpc.WorkerStub(ch).GetStats(worker_pb.StatsRequest(), timeout=10)
     return dict(s.counters)
 
@@ -76,7 +75,7 @@ def cluster_latency(model: Path, ps, max_tokens: int, logs: str):
         p_addr = cluster.workers("prefill")[0].info["address"]
         d_addr = cluster.workers("decode")[0].info["address"]
         client.generate(ps[0][:64], max_tokens=2, temperature=0.0)  # warm-up
-        before = (counters(p_addr), counters(d_addr))
+        before = (counters(cluster, p_addr), counters(cluster, d_addr))
         lat = []
         for p in ps:
             t0 = time.perf_counter()
@@ -90,7 +89,7 @@ def cluster_latency(model: Path, ps, max_tokens: int, logs: str):
             end = time.perf_counter()
             assert n == max_tokens
             lat.append((first - t0, (end - first) / (max_tokens - 1)))
-        after = (counters(p_addr), counters(d_addr))
+        after = (counters(cluster, p_addr), counters(cluster, d_addr))
     dp = {k: after[0].get(k, 0) - before[0].get(k, 0) for k in after[0]}
     dd = {k: after[1].get(k, 0) - before[1].get(k, 0) for k in after[1]}
     return lat, dp, dd

@@ -213,7 +213,7 @@ def summarise(runs: list[dict], bytes_per_block: int) -> tuple[list[dict], dict]
 
 def connect(cluster: LocalCluster, stack: list[grpc.Channel]) -> Workers:
     def stub(address: str) -> worker_pb_grpc.WorkerStub:
-        stack.append(grpc.insecure_channel(address))
+        stack.append(cluster.security.channel(address))
         return worker_pb_grpc.WorkerStub(stack[-1])
 
     d0, d1 = (c.info["address"] for c in cluster.workers("decode"))

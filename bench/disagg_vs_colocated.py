@@ -42,7 +42,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import grpc  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
@@ -135,7 +134,7 @@ def remote_prefills(cluster: LocalCluster) -> int:
     """Prompts the decode workers got prefilled by a prefill worker, so far."""
     total = 0
     for w in cluster.workers("decode"):
-        with grpc.insecure_channel(w.info["address"]) as ch:
+        with cluster.security.channel(w.info["address"]) as ch:
             stats = worker_pb_grpc.WorkerStub(ch).GetStats(worker_pb.StatsRequest(), timeout=30)
         total += int(stats.counters["remote_prefills"])
     return total

@@ -35,9 +35,11 @@ async def serve(options: WorkerOptions) -> None:
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
-    receiver = KVReceiver(options.host, options.kv_port, service.sink, TransferConfig())
+    # Signed pairs only; our own KV pushes listen on --host too.
+    transfer = TransferConfig(host=options.host, auth_key=options.security.kv_key())
+    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
     receiver.start()
-    service.kv_sender = KVSender(TransferConfig())  # serves PushKV: others pull our prefixes
+    service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes
     size = engine.tp.size
     service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),
                          *service.follower_endpoints()]

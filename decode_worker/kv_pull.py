@@ -35,6 +35,7 @@ from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.kv_push import PULL_BLOCKS
+from pdserve.serving.security import ClientSecurity
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -58,7 +59,7 @@ class KVPuller:
     def __init__(self, loop: EngineLoop, sink: DecodeKVSink,
                  endpoints: Callable[[], list[worker_pb.KVEndpoint]],
                  count: Callable[[str, float], None], follower_store=None,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, security: ClientSecurity | None = None) -> None:
         self._loop = loop
         self._sink = sink
         self._endpoints = endpoints  # this worker's KV receivers, one per TP rank
@@ -66,6 +67,7 @@ class KVPuller:
         self._store = follower_store  # the TP group's store (None without followers)
         self._tp_size = tp_size
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._security = security or ClientSecurity()  # how to call the pushing worker
         self._held: dict[str, PullReservation] = {}  # engine thread only
 
     async def pull_then(self, rid: str, ids: list[int], source: worker_pb.KVSource,
@@ -191,7 +193,7 @@ class KVPuller:
     def _stub(self, address: str) -> worker_pb_grpc.WorkerStub:
         channel = self._channels.get(address)
         if channel is None:
-            channel = self._channels[address] = grpc.aio.insecure_channel(address)
+            channel = self._channels[address] = self._security.aio_channel(address)
         return worker_pb_grpc.WorkerStub(channel)
 
 

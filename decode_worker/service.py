@@ -50,7 +50,7 @@ class DecodeService(WorkerServicerBase):
         self.tp_size = loop.engine.tp.size
         self.follower_store = driver.group.store if driver is not None else None
         self.puller = KVPuller(loop, self.sink, lambda: self.endpoints, self.count,
-                               self.follower_store, self.tp_size)
+                               self.follower_store, self.tp_size, options.security.client)
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
         """The KV receivers of follower ranks (they publish them in the group's store)."""

@@ -13,6 +13,7 @@ from decode_worker.kv_sink import DecodeKVSink
 from kv_store.tp_layout import heads_of
 from kv_store.transfer import KVReceiver, TransferConfig
 from pdserve.engine.tp.follower import FollowerPlugin
+from pdserve.serving.security.config import kv_auth_key
 
 
 def ready_key(request_id: str, rank: int) -> str:
@@ -35,7 +36,8 @@ class DecodeFollower(FollowerPlugin):
             on_ready=lambda rid, meta: store.set(ready_key(rid, self.rank), "ok"),
             on_error=lambda rid, why: store.set(ready_key(rid, self.rank), f"fail: {why}"),
             head_start=heads.start, primary=False)
-        self.receiver = KVReceiver(host, 0, self.sink, TransferConfig())
+        config = TransferConfig(host=host, auth_key=kv_auth_key())
+        self.receiver = KVReceiver(host, 0, self.sink, config)
         self.receiver.start()
         store.set(endpoint_key(self.rank), self.receiver.address)
 

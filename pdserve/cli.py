@@ -1,8 +1,8 @@
 """The `pdserve` command: one entry point for every role.
 
     pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
-               [--redis URL]
-    pdserve generate [--target HOST:PORT] "prompt"
+               [--redis URL] [--tls auto]
+    pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
     pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
@@ -83,6 +83,13 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="Redis KV index for the router and workers, redis://:password@host:port/db "
                         "(default: $PDSERVE_REDIS_URL, else the in-process index); the router "
                         "then discovers workers there, so workers started later join")
+    p.add_argument("--tls", choices=("off", "auto"), default="off",
+                   help="auto: a throwaway CA and a certificate per process; the router's "
+                        "APIs speak TLS and workers require the CA's client certificates")
+    p.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                   help="the cluster secret for internal calls (default: "
+                        "$PDSERVE_CLUSTER_SECRET, else a fresh one); handed to every process "
+                        "in its environment")
 
 
 def _add_generate(p: argparse.ArgumentParser) -> None:
@@ -93,7 +100,9 @@ def _add_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout", type=float, default=120.0)
-    p.add_argument("--token", default=None, help="bearer token")
+    from pdserve.serving.security.args import add_client_args
+
+    add_client_args(p)
 
 
 def _add_bench(p: argparse.ArgumentParser) -> None:
@@ -107,12 +116,22 @@ def cmd_up(a: argparse.Namespace) -> int:
     from pdserve.launcher import ClusterSpec, LocalCluster
 
     model = a.model or str(ensure_demo_model())
+    secret = ""
+    if a.cluster_secret_file:
+        from pdserve.serving.security import SecretError, load_cluster_secret
+
+        try:
+            secret = load_cluster_secret({}, a.cluster_secret_file).value.decode()
+        except SecretError as exc:
+            print(f"pdserve up: {exc}", file=sys.stderr)
+            return 2
     spec = ClusterSpec(model=model, host=a.host, port=a.port, num_prefill=a.prefill,
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
                        prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                        worker_args=(*a.worker_arg, *_tier_worker_args(a),
                                     f"--drain-timeout={a.drain_timeout}"),
-                       log_dir=a.log_dir, redis_url=a.redis,
+                       log_dir=a.log_dir, redis_url=a.redis, tls=a.tls == "auto",
+                       cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port),
                                     f"--shutdown-grace={a.shutdown_grace}"))
@@ -122,9 +141,13 @@ def cmd_up(a: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     cluster.start(supervise=True)
     try:
-        print(f"pdserve router   grpc://{cluster.address}  (model {model})", flush=True)
+        scheme = "s" if cluster.ca_path else ""
+        print(f"pdserve router   grpc{scheme}://{cluster.address}  (model {model})", flush=True)
         if cluster.http_address:
-            print(f"  openai api     http://{cluster.http_address}/v1", flush=True)
+            print(f"  openai api     http{scheme}://{cluster.http_address}/v1", flush=True)
+        if cluster.ca_path:
+            print(f"  tls            CA {cluster.ca_path} (pdserve generate --tls-ca "
+                  f"{cluster.ca_path} ...); gone when the cluster stops", flush=True)
         for c in cluster.children:
             extra = f"  kv {c.info['kv_address']}" if "kv_address" in c.info else ""
             print(f"  {c.name:<10} grpc://{c.info['address']}{extra}", flush=True)
@@ -142,8 +165,17 @@ def cmd_up(a: argparse.Namespace) -> int:
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from pdserve.client import Client, PDServeError
+    from pdserve.serving.security import args as security_args
 
-    with Client(a.target, token=a.token) as client:
+    try:
+        tls, token = security_args.client_tls(a), security_args.api_token(a)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    with Client(a.target, token=token,
+                root_certificates=tls.ca if tls is not None else None,
+                private_key=tls.private_key if tls is not None else None,
+                certificate_chain=tls.cert_chain if tls is not None else None) as client:
         try:
             last = None
             for chunk in client.stream(a.prompt, max_tokens=a.max_tokens,

@@ -14,20 +14,39 @@ registry, so the cluster scales while it runs — `add_worker(role)` starts one 
 `stop_worker(child)` drains one (SIGTERM: it leaves the registry, finishes its requests, exits).
 A worker started by hand with the same `--redis` (`pdserve decode-worker --model DIR --redis
 URL`) joins the same way.
+
+Security: every cluster gets a cluster secret (the spec's, else `$PDSERVE_CLUSTER_SECRET` or
+its file, else a fresh one), handed to each child in its environment, never on a command line;
+internal calls without it are refused. With `tls` the launcher also creates a throwaway CA and
+a certificate per process (`security.certs`): workers require client certificates from it
+(mTLS), the router serves TLS and calls the workers over mTLS. `security` and
+`root_certificates` tell a test or a tool how to call the cluster.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.serving.security import (
+    CLUSTER_SECRET_ENV,
+    ClientSecurity,
+    ClientTLS,
+    ClusterSecret,
+    generate_secret,
+    load_cluster_secret,
+)
+from pdserve.serving.security.args import TLS_ENV
+from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_base import READY_PREFIX
 from pdserve.serving.worker_options import REDIS_URL_ENV
 from pdserve.supervisor import RestartPolicy, Supervisor
@@ -61,6 +80,11 @@ class ClusterSpec:
     discover: bool = True
     """With `redis_url`: the router discovers the workers from the registry (False: it gets
     the started workers as static lists and uses Redis for the KV index only)."""
+    tls: bool = False
+    """TLS everywhere from a throwaway CA (`pdserve up --tls auto`): the router's APIs, and
+    mTLS between router and workers."""
+    cluster_secret: str = field(default="", repr=False)
+    """"" = `$PDSERVE_CLUSTER_SECRET` (or its file), else a fresh random one."""
 
 
 @dataclass
@@ -83,7 +107,35 @@ class LocalCluster:
         self.router: Child | None = None
         self._started = {"prefill": 0, "decode": 0}  # workers ever started, for unique ids
         self.supervisor: Supervisor | None = None
+        secret = (ClusterSecret(spec.cluster_secret.encode()) if spec.cluster_secret
+                  else load_cluster_secret())
+        self._secret = secret or ClusterSecret(generate_secret().encode())
+        self._tls_dir: str | None = None
+        self._ca = None  # security.certs.ThrowawayCA with `spec.tls`
+        self._client_cert = None
 
+    @property
+    def security(self) -> ClientSecurity:
+        """How to call this cluster's workers directly (tests, tools): its CA and a client
+        certificate from it (with `tls`), and the cluster secret."""
+        tls = None
+        if self._ca is not None:
+            c = self._client_cert
+            tls = ClientTLS.from_files(self._ca.ca_path, c.cert, c.key)
+        return ClientSecurity(tls, self._secret)
+
+    @property
+    def root_certificates(self) -> bytes | None:
+        """PEM roots for clients of the router (the SDK's `root_certificates`); None
+        without TLS."""
+        if self._ca is None:
+            return None
+        with open(self._ca.ca_path, "rb") as f:
+            return f.read()
+
+    @property
+    def ca_path(self) -> str | None:
+        return self._ca.ca_path if self._ca is not None else None
     @property
     def address(self) -> str:
         assert self.router is not None
@@ -123,6 +175,12 @@ class LocalCluster:
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
+        if s.tls and self._ca is None:
+            from pdserve.serving.security.certs import ThrowawayCA  # cryptography when used
+
+            self._tls_dir = tempfile.mkdtemp(prefix="pdserve-tls-")
+            self._ca = ThrowawayCA(self._tls_dir)
+            self._client_cert = self._ca.issue("client", (s.host,))
         pending = [self._spawn_worker("decode") for _ in range(s.num_decode)]
         pending += [self._spawn_worker("prefill") for _ in range(s.num_prefill)]
         self.children.extend(pending)
@@ -137,6 +195,7 @@ class LocalCluster:
         http = [] if http_set else ["--http-port", "0"]
         self.router = self._spawn("router", "router", [
             "--model", s.model, "--host", s.host, "--port", str(s.port), *workers, *http,
+            *self._tls_args("router", ("--tls-cert", "--tls-key", "--internal-tls-ca")),
             *s.router_args])
         self._wait_ready(self.router, timeout_s)
 
@@ -177,7 +236,15 @@ class LocalCluster:
         tp = s.decode_tp if role == "decode" else s.prefill_tp
         return self._spawn(name, f"{role}_worker", [
             "--model", s.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
-            "--worker-id", name, "--tp", str(tp)])
+            "--worker-id", name, "--tp", str(tp),
+            *self._tls_args(name, ("--tls-cert", "--tls-key", "--tls-ca"))])
+
+    def _tls_args(self, name: str, flags: tuple[str, str, str]) -> list[str]:
+        """The TLS flags of one child: its own certificate and key, and the cluster CA."""
+        if self._ca is None:
+            return []
+        issued = self._ca.issue(name, (self.spec.host,))
+        return [flags[0], issued.cert, flags[1], issued.key, flags[2], self._ca.ca_path]
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         """Start a child process; nothing waits for it here."""
@@ -186,7 +253,11 @@ class LocalCluster:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
             stderr = open(Path(self.spec.log_dir) / f"{name}.log", "ab")  # noqa: SIM115
         # Always set: "" must mean "no Redis" even if this process's environment names one.
-        env = {**os.environ, **self.spec.env, REDIS_URL_ENV: self.spec.redis_url}
+        # TLS comes from flags only, the secret from the environment only.
+        inherited = {k: v for k, v in os.environ.items()
+                     if k not in TLS_ENV and k != CLUSTER_SECRET_FILE_ENV}
+        env = {**inherited, **self.spec.env, REDIS_URL_ENV: self.spec.redis_url,
+               CLUSTER_SECRET_ENV: self._secret.value.decode()}
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=stderr,
             env=env, start_new_session=True)
@@ -236,6 +307,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 c.proc.kill()
                 c.proc.wait()
+        if self._tls_dir is not None:
+            shutil.rmtree(self._tls_dir, ignore_errors=True)
+            self._tls_dir, self._ca = None, None
 
     def __enter__(self) -> LocalCluster:
         return self.start()

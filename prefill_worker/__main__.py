@@ -35,7 +35,8 @@ async def serve(options: WorkerOptions) -> None:
     link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
-    sender = KVSender(TransferConfig())
+    sender = KVSender(TransferConfig(host=options.host,
+                                     auth_key=options.security.kv_key()))  # signed pairs
     streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")

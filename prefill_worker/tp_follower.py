@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from kv_store.transfer import KVSender, TransferConfig
 from pdserve.engine.tp.follower import FollowerPlugin
+from pdserve.serving.security.config import kv_auth_key
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
 
 class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
-        self.sender = KVSender(TransferConfig())
+        self.sender = KVSender(TransferConfig(host=host, auth_key=kv_auth_key()))
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)

@@ -32,12 +32,15 @@ from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.engine.model_config import ModelConfig
+from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.proto import pb
 from pdserve.serving.grpc_server import start_server
+from pdserve.serving.security import ClientSecurity, TLSError
+from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
-from pdserve.serving.worker_options import REDIS_URL_ENV
+from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
 from pdserve.tokenizer import Tokenizer
 from router.admission import AdmissionConfig
 from router.auth import BearerAuthInterceptor
@@ -56,7 +59,7 @@ log = logging.getLogger("router")
 ENGINE_MAX_LEN_CAP = 32768
 
 
-async def open_index(redis_url: str) -> KVIndex | None:
+async def open_index(redis_url: str, redis_ca: str = "") -> KVIndex | None:
     """The started Redis KV index to follow (None without a URL); bad credentials end the
     process with a message that hides the password."""
     if not redis_url:
@@ -64,7 +67,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
     from kv_store.index.redis_common import check_url, masked_url  # redis only when used
 
     try:
-        index = create_index(check_url(redis_url), follow=True)
+        index = create_index(check_url(redis_url), follow=True, tls_ca=redis_ca)
         await index.start()
     except KVIndexConfigError as exc:
         raise SystemExit(f"router: --redis: {exc}") from None
@@ -73,7 +76,7 @@ async def open_index(redis_url: str) -> KVIndex | None:
 
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
-    index = await open_index(cfg.redis_url)
+    index = await open_index(cfg.redis_url, cfg.redis_ca)
     tokenizer = Tokenizer.from_pretrained(cfg.model)
     model_cfg = ModelConfig.from_pretrained(cfg.model)
     prefill, decode = make_pools(cfg, index)
@@ -100,10 +103,17 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: s.add_generic_rpc_handlers((service.handlers(),)),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
-                                interceptors=interceptors,
+                                tls=cfg.tls, interceptors=interceptors,
                                 max_receive_bytes=limits.max_message_bytes)
     ready = {"role": "router", "address": f"{cfg.host}:{server.port}",
              "discovery": cfg.discover}
+    metrics_server = None
+    if cfg.metrics_port >= 0:  # a /metrics of its own, off the API's port
+        metrics_server = MetricsServer(
+            cfg.metrics_host or cfg.host, cfg.metrics_port, metrics.registry,
+            cfg.tls.ssl_context() if cfg.tls is not None else None,
+            cfg.metrics_tokens or cfg.auth_tokens)
+        ready["metrics_address"] = metrics_server.address
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
@@ -111,12 +121,14 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         http = OpenAIServer(frontend, served,
                             dataclasses.replace(http_cfg, max_body_bytes=limits.max_body_bytes),
                             lambda: frontend.accepting and bool(decode.healthy()),
-                            metrics=metrics.registry)
+                            metrics=metrics.registry if metrics_server is None else None)
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
     async def cleanup() -> None:
         await shutdown(frontend, server, http, cfg.shutdown_grace_s)
+        if metrics_server is not None:
+            metrics_server.close()
         if membership is not None:
             await membership.close()
         await asyncio.gather(prefill.close(), decode.close())
@@ -150,7 +162,8 @@ def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, Wo
     # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
     prefix = index.prefix if index is not None else PrefixIndex()
     prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
-                                  prefix, events_from_stats=index is None)
+                                  prefix, events_from_stats=index is None,
+                                  security=cfg.internal)
                        for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
     return prefill, decode
 
@@ -194,8 +207,17 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="follow the Redis KV index at URL for the workers' cached blocks "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV}); without "
                         "--prefill/--decode, also discover the workers from its registry")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
+    p.add_argument("--metrics-port", type=int, default=-1,
+                   help="serve /metrics on a server of its own at --metrics-host:PORT "
+                        "(0 = any free port; default -1: on the HTTP API's port)")
+    security_args.add_metrics_args(p)
+    security_args.add_tls_args(p)
+    security_args.add_internal_tls_args(p)
+    security_args.add_secret_args(p)
     a = p.parse_args(argv)
     prefill = tuple(x for x in a.prefill.split(",") if x)
     decode = tuple(x for x in a.decode.split(",") if x)
@@ -210,15 +232,28 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--queue-waves must be >= 1")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
+    if a.metrics_port < -1 or a.metrics_port > 65535:
+        p.error("--metrics-port must be -1 (on the HTTP port), 0 (any free port) or a port")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
+    try:
+        tls = security_args.server_tls(a)
+        internal = ClientSecurity(security_args.internal_client_tls(a),
+                                  security_args.cluster_secret(a))
+        metrics_tokens = security_args.metrics_tokens(a)
+    except (TLSError, ValueError) as exc:
+        p.error(str(exc))
     http = None if a.http_port == -1 else HttpConfig(
-        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens)
+        host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens,
+        metrics_tokens=metrics_tokens,
+        ssl_context=tls.ssl_context() if tls is not None else None)
     return RouterConfig(
         model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
         model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         admission=AdmissionConfig(queue_waves=a.queue_waves, enabled=not a.no_admission),
         shutdown_grace_s=a.shutdown_grace, start_wait_s=a.start_wait, auth_tokens=tokens,
-        redis_url=a.redis, discovery_wait_s=a.discover_wait), http
+        redis_url=a.redis, redis_ca=a.redis_ca, discovery_wait_s=a.discover_wait, tls=tls,
+        internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
+        metrics_tokens=metrics_tokens), http
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.serving.security import ClientSecurity, TLSConfig
 from router.admission import AdmissionConfig
 
 
@@ -40,6 +41,20 @@ class RouterConfig:
     redis_url: str = field(default="", repr=False)
     """Redis KV index to follow (`redis://[user]:password@host:port/db`): workers' cached
     blocks come from its event stream instead of their stats ("" = from their stats)."""
+    redis_ca: str = ""
+    """PEM CA file of a `rediss://` server ("" = the system's roots)."""
+    tls: TLSConfig | None = field(default=None, repr=False)
+    """TLS of the public gRPC API (and of the HTTP API and metrics, through `HttpConfig`);
+    `client_ca` set = clients need a certificate from it."""
+    internal: ClientSecurity = field(default_factory=ClientSecurity, repr=False)
+    """How the router calls workers: TLS to them, and the cluster secret."""
+    metrics_host: str = ""
+    """Bind address of a separate `/metrics` server ("" = `host`)."""
+    metrics_port: int = -1
+    """Port of a separate `/metrics` server (0 = any free port; -1 = `/metrics` is served on
+    the HTTP API's port instead)."""
+    metrics_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens for `/metrics` (empty = the API's tokens: metrics follow the API's auth)."""
     discovery_period_s: float = 1.0
     """Discovery mode: how often the pools are reconciled with the worker registry."""
     discovery_wait_s: float = 5.0

@@ -34,6 +34,7 @@ from kv_store.index.events import BlockRemoved, BlockStored, EventCodecError, de
 from kv_store.index.prefix import PrefixIndex
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.grpc_server import MAX_MESSAGE_BYTES
+from pdserve.serving.security import ClientSecurity
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,10 @@ class WorkerHandle:
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
                  max_misses: int, prefix: PrefixIndex | None = None,
-                 events_from_stats: bool = True, linger_s: float | None = None) -> None:
+                 events_from_stats: bool = True, linger_s: float | None = None,
+                 security: ClientSecurity | None = None) -> None:
         self.role = role
+        self.security = security or ClientSecurity()  # TLS and cluster secret to workers
         self.workers: list[WorkerHandle] = []  # members; only their healthy ones are routable
         self.period_s = period_s
         self.max_misses = max_misses
@@ -101,7 +104,7 @@ class WorkerPool:
         if retired is not None:
             w = retired[0]
         else:
-            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            channel = self.security.aio_channel(address, _CHANNEL_OPTIONS)
             w = WorkerHandle(address, self.role, channel, worker_pb_grpc.WorkerStub(channel))
         self.workers.append(w)
         self._wake.set()
@@ -195,8 +198,12 @@ class WorkerPool:
             # the slack covers a starved machine, not a slow engine step.
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
             stats = await w.stub.GetStats(request, timeout=2 * self.period_s)
-        except grpc.aio.AioRpcError:
+        except grpc.aio.AioRpcError as exc:
             w.misses += 1
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED and w.misses == self.max_misses:
+                log.warning("%s worker %s refuses the router's credentials (%s): is it in "
+                            "another cluster (cluster secret, CA)?", self.role, w.address,
+                            exc.details())
             if w.misses >= self.max_misses and w.healthy:
                 log.warning("%s worker %s missed %d polls; out of the pool",
                             self.role, w.address, w.misses)

@@ -46,6 +46,39 @@ def tiny_mistral(tmp_path_factory):
     return save_tiny(tmp_path_factory.mktemp("mistral"), "mistral", seed=2)
 
 
+# Qwen3 and MoE checkpoints (2 layers, hidden 64, 4 experts top-2): a wider init spread than
+# transformers' default so routing and greedy outputs are decided by clear margins.
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("qwen3"), "qwen3", seed=4, initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("mixtral"), "mixtral", seed=5,
+                     initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("qwen2_moe"), "qwen2_moe", seed=6,
+                     initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=7,
+                     initializer_range=0.2)
+
+
 # Directories whose tests start real processes; everything else is a unit test.
 _DIR_MARKERS = {"e2e": "e2e", "faults": "faults", "security": "e2e"}
 

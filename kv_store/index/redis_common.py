@@ -84,6 +84,11 @@ class RedisIndexConfig:
     close_flush_s: float = 1.0
     """Best-effort flush of queued events in `close()`."""
 
+    tls_ca: str = ""
+    """PEM CA file that signed the server's certificate, for `rediss://` URLs ("" = the
+    system's roots). The URL itself carries an ACL user and password:
+    `rediss://user:password@host:port/db`."""
+
     def __post_init__(self) -> None:
         if not _NAMESPACE.fullmatch(self.namespace):
             raise ValueError(
@@ -137,11 +142,17 @@ def check_url(url: str) -> str:
 
 
 def connect(url: str, config: RedisIndexConfig) -> aioredis.Redis:
-    """A client for `url` (AUTH user/password taken from it) that never retries by itself:
-    the index's loops own retrying, so a dead server is noticed at once."""
+    """A client for `url` (AUTH user/password taken from it; TLS for `rediss://`, verified
+    against `config.tls_ca`) that never retries by itself: the index's loops own retrying,
+    so a dead server is noticed at once."""
+    tls = {}
+    if urlsplit(url).scheme == "rediss":
+        tls = {"ssl_cert_reqs": "required", **({"ssl_ca_certs": config.tls_ca}
+                                               if config.tls_ca else {})}
     return aioredis.Redis.from_url(
         url, protocol=2, retry=Retry(NoBackoff(), 0),
-        socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s)
+        socket_timeout=config.socket_timeout_s, socket_connect_timeout=config.socket_timeout_s,
+        **tls)
 
 
 def config_error(exc: BaseException, url: str) -> KVIndexConfigError | None:
@@ -152,6 +163,10 @@ def config_error(exc: BaseException, url: str) -> KVIndexConfigError | None:
             f"in the index url): {exc}")
     if isinstance(exc, rex.ResponseError) and str(exc).startswith(("NOAUTH", "WRONGPASS")):
         return KVIndexConfigError(f"Redis at {masked_url(url)} refused the credentials: {exc}")
+    if "CERTIFICATE_VERIFY_FAILED" in str(exc):  # not an outage: retrying cannot help
+        return KVIndexConfigError(
+            f"Redis at {masked_url(url)} presented a certificate that the configured CA "
+            f"(--redis-ca / $PDSERVE_REDIS_CA) does not verify: {exc}")
     return None
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
 from kv_store.transfer import wire
+from kv_store.transfer.auth import FrameAuth
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.wire import Header, ProtocolError
 
@@ -36,12 +37,13 @@ class ChannelClosed(RuntimeError):
 
 def build_channel(
     store: dist.Store, rank: int, host: str, cuda_device: torch.device | None,
-    config: TransferConfig,
+    config: TransferConfig, auth: FrameAuth | None = None,
 ) -> Channel:
     """Build this end of a pair (blocks until the peer builds its end, or connect_timeout_s).
 
     `store` is already prefixed for this pair; `host` is the local address gloo listens on;
-    `cuda_device` set means an NCCL group for payloads is built too.
+    `cuda_device` set means an NCCL group for payloads is built too; `auth` seals and opens
+    the headers of an authenticated pair.
     """
     opts = ProcessGroupGloo._Options()
     opts._timeout = timedelta(seconds=config.connect_timeout_s)
@@ -54,7 +56,7 @@ def build_channel(
         # watchdog's limit is only a backstop, since by default it tears the process down.
         watchdog_s = config.connect_timeout_s + 2 * config.transfer_timeout_s
         nccl = _nccl_group(dist.PrefixStore("nccl/", store), rank, watchdog_s)
-    return Channel(gloo, rank, nccl, cuda_device)
+    return Channel(gloo, rank, nccl, cuda_device, auth)
 
 
 def _nccl_group(store: dist.Store, rank: int, timeout_s: float) -> dist.ProcessGroup:
@@ -74,8 +76,10 @@ class Channel:
         rank: int,
         nccl: dist.ProcessGroup | None = None,
         cuda_device: torch.device | None = None,
+        auth: FrameAuth | None = None,
     ) -> None:
         self._gloo = gloo
+        self._auth = auth
         self._nccl = nccl
         self._peer = 1 - rank
         self._device = cuda_device if nccl is not None else torch.device("cpu")
@@ -116,7 +120,8 @@ class Channel:
                 raise ProtocolError(f"header length {n} out of range (1..{wire.MAX_HEADER_BYTES})")
             data = torch.empty(n, dtype=torch.uint8)
             self._gloo.recv([data], self._peer, tag).wait(timedelta(seconds=timeout_s))
-        return wire.decode_header(data.numpy().tobytes())
+        frame = data.numpy().tobytes()
+        return wire.decode_header(self._auth.opener.open(frame) if self._auth else frame)
 
     def recv_payload(self, tag: int, header: Header, timeout_s: float) -> torch.Tensor:
         """Receive the payload announced by a LAYER header, in the header's dtype."""
@@ -145,6 +150,8 @@ class Channel:
                 pass
 
     def _post_header(self, tag: int, data: bytes) -> list[dist.Work]:
+        if self._auth is not None:
+            data = self._auth.sealer.seal(data)
         length = torch.tensor([len(data)], dtype=torch.int64)
         body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return [

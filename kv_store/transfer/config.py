@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -50,7 +50,19 @@ class TransferConfig:
     """CUDA device that NCCL pairs use on the receiver (None: the device that is current in the
     thread calling `KVReceiver.start()`)."""
 
+    host: str = ""
+    """Sender: the local address its gloo device listens on for a pair ("", or a wildcard:
+    the address this machine uses to reach the receiver). A worker passes its `--host`, so
+    nothing it opens listens on another interface."""
+
+    auth_key: bytes | None = field(default=None, repr=False)
+    """KV key derived from the cluster secret (`InternalSecurity.kv_key`): pairs are opened
+    only between ends that hold it and every header is sealed (`auth`). None = open pairs
+    (a receiver without a key accepts any sender; one with a key refuses unsigned hellos)."""
+
     def __post_init__(self) -> None:
+        if self.auth_key is not None and len(self.auth_key) < 16:
+            raise ValueError("TransferConfig.auth_key must be at least 16 bytes")
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"TransferConfig.backend must be one of {BACKENDS}, got {self.backend!r}")

@@ -21,7 +21,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from kv_store.transfer import rendezvous
+from kv_store.transfer import auth, rendezvous
+from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.receiver_pair import ReceiverPair
 from kv_store.transfer.rendezvous import Hello, Reply
@@ -92,6 +93,7 @@ class KVReceiver:
         self._pairs: OrderedDict[int, ReceiverPair] = OrderedDict()
         self._bound: dict[ReceiverPair, set[str]] = {}
         self._records: dict[str, _Inbound] = {}
+        self._offered: OrderedDict[int, None] = OrderedDict()  # pair ids seen (accept loop)
         self._history = History(self._config.history_size)
         self._stats = TransferStats()
         self._stop = threading.Event()
@@ -277,13 +279,21 @@ class KVReceiver:
                     log.exception("accepting pair %d failed", pair_id)
 
     def _accept(self, pair_id: int, hello: Hello | ProtocolError) -> None:
-        refusal = str(hello) if isinstance(hello, ProtocolError) else self._refusal(hello)
+        if not self._first_offer(pair_id):
+            return  # a replayed pair id: its hello was answered already
+        key = self._config.auth_key
+        nonce = auth.new_nonce()
+        refusal = str(hello) if isinstance(hello, ProtocolError) else self._refusal(pair_id, hello)
+        sender_nonce = b"" if isinstance(hello, ProtocolError) else hello.nonce
         if refusal:
-            rendezvous.answer(self._store, pair_id, Reply(False, refusal))
+            self._stats_refused(pair_id, refusal)
+            rendezvous.answer(self._store, pair_id, Reply(False, refusal), key, sender_nonce,
+                              nonce)
             return
         cfg = self._config
+        keys = PairKeys.derive(key, pair_id, sender_nonce, nonce) if key else None
         pair = ReceiverPair(pair_id, hello, self._store.clone(), self._gloo_host(hello),
-                            self._cuda_device(hello), cfg, self)
+                            self._cuda_device(hello), cfg, self, keys)
         victim = None
         with self._lock:
             live = [p for p in self._pairs.values() if not p.closing]
@@ -297,12 +307,33 @@ class KVReceiver:
         if victim is not None:
             victim.request_close("evicted: max_pairs reached")
         if refusal:
-            rendezvous.answer(self._store, pair_id, Reply(False, refusal))
+            rendezvous.answer(self._store, pair_id, Reply(False, refusal), key, sender_nonce,
+                              nonce)
             return
         pair.start()
-        rendezvous.answer(self._store, pair_id, Reply(True))
+        rendezvous.answer(self._store, pair_id, Reply(True), key, sender_nonce, nonce)
 
-    def _refusal(self, hello: Hello) -> str:
+    def _first_offer(self, pair_id: int) -> bool:
+        """True the first time `pair_id` is offered (the store's queue is writable by anyone:
+        an id pushed again must not open a second pair on the same keys)."""
+        if pair_id in self._offered:
+            return False
+        self._offered[pair_id] = None
+        while len(self._offered) > self._config.history_size:
+            self._offered.popitem(last=False)
+        return True
+
+    def _stats_refused(self, pair_id: int, reason: str) -> None:
+        self._stats.record_refused()
+        log.warning("refused pair %d: %s", pair_id, reason)
+
+    def _refusal(self, pair_id: int, hello: Hello) -> str:
+        key = self._config.auth_key
+        if key is not None:
+            try:
+                hello.check(key, pair_id)
+            except ProtocolError as exc:
+                return str(exc)
         if self._stop.is_set():
             return f"receiver {self.address} is closing"
         if hello.transport == "nccl" and not torch.cuda.is_available():

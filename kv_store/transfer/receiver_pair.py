@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from kv_store.transfer import rendezvous, wire
+from kv_store.transfer.auth import FrameAuth, PairKeys
 from kv_store.transfer.channel import (
     BACKWARD_TAG,
     FORWARD_TAG,
@@ -46,8 +47,10 @@ class ReceiverPair:
     def __init__(
         self, pair_id: int, hello: Hello, store: dist.Store, host: str,
         cuda_device: torch.device | None, config: TransferConfig, handler: PairHandler,
+        keys: PairKeys | None = None,
     ) -> None:
         self.pair_id = pair_id
+        self._auth = FrameAuth.for_end(keys, sender=False) if keys is not None else None
         self.peer = hello.sender
         self._hello = hello
         self._store = store
@@ -121,7 +124,7 @@ class ReceiverPair:
     def _build(self) -> None:
         channel = build_channel(
             rendezvous.pair_store(self._store, self.pair_id), RECEIVER_RANK, self._host,
-            self._cuda_device, self._config,
+            self._cuda_device, self._config, self._auth,
         )
         with self._lock:
             self._channel = channel

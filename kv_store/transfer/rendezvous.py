@@ -11,6 +11,11 @@ Keys in the receiver's store:
 Sender: add → set hello → push id → wait for the reply → build its end (rank 1).
 Receiver: pop id → read hello → answer → build its end (rank 0). A hello in a foreign protocol
 version is answered with a refusal that names both versions.
+
+With a KV key (`TransferConfig.auth_key`) the hello and the reply carry a nonce and a MAC
+(`auth`): anyone can write these keys, so the receiver accepts only hellos signed for their
+own pair id, the sender only a signed reply, and both derive the pair's frame keys from the
+two nonces.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from kv_store.transfer import wire
+from kv_store.transfer import auth, wire
+from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.wire import ProtocolError
 
 _NEXT = "pairs/next"
@@ -40,6 +46,22 @@ class Hello:
     """"gloo" (control and payload over gloo) or "nccl" (payloads over NCCL)."""
     quiet_limit_s: float
     """Longest silence of a healthy sender on this pair; the receiver gives up after it."""
+    nonce: bytes = b""
+    """The sender's random contribution to the pair's keys (authenticated pairs)."""
+    mac: bytes = b""
+    """HMAC of the fields above and the pair id under the KV key (authenticated pairs)."""
+
+    def signed(self, key: bytes, pair_id: int) -> Hello:
+        nonce = auth.new_nonce()
+        return Hello(self.sender, self.host, self.transport, self.quiet_limit_s, nonce,
+                     auth.hello_mac(key, pair_id, self.sender, self.host, self.transport,
+                                    self.quiet_limit_s, nonce))
+
+    def check(self, key: bytes, pair_id: int) -> None:
+        """`ProtocolError` unless this hello was signed with `key` for `pair_id`."""
+        auth.verify(auth.hello_mac(key, pair_id, self.sender, self.host, self.transport,
+                                   self.quiet_limit_s, self.nonce), self.mac,
+                    f"hello of pair {pair_id}")
 
 
 @dataclass(frozen=True)
@@ -72,18 +94,30 @@ def connect(address: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s))
 
 
-def offer(store: dist.Store, hello: Hello, timeout_s: float) -> tuple[int, Reply]:
-    """Sender side: register a pair and wait for the receiver's answer."""
+def offer(store: dist.Store, hello: Hello, timeout_s: float, key: bytes | None = None
+          ) -> tuple[int, Reply, PairKeys | None]:
+    """Sender side: register a pair and wait for the receiver's answer; with `key`, sign the
+    hello, check the reply's signature and derive the pair's keys."""
     pair_id = store.add(_NEXT, 1)
-    store.set(f"pairs/{pair_id}/hello", wire.pack({
-        "kind": "hello", "sender": hello.sender, "host": hello.host,
-        "transport": hello.transport, "quiet_limit_s": hello.quiet_limit_s,
-    }))
+    if key is not None:
+        hello = hello.signed(key, pair_id)
+    doc = {"kind": "hello", "sender": hello.sender, "host": hello.host,
+           "transport": hello.transport, "quiet_limit_s": hello.quiet_limit_s}
+    if key is not None:
+        doc.update(nonce=hello.nonce, mac=hello.mac)
+    store.set(f"pairs/{pair_id}/hello", wire.pack(doc))
     store.queue_push(_QUEUE, str(pair_id))
-    key = f"pairs/{pair_id}/reply"
-    store.wait([key], timedelta(seconds=timeout_s))
-    doc = wire.unpack(store.get(key))
-    return pair_id, Reply(ok=bool(doc.get("ok")), reason=str(doc.get("reason", "")))
+    reply_key = f"pairs/{pair_id}/reply"
+    store.wait([reply_key], timedelta(seconds=timeout_s))
+    doc = wire.unpack(store.get(reply_key))
+    reply = Reply(ok=bool(doc.get("ok")), reason=str(doc.get("reason", "")))
+    if key is None:
+        return pair_id, reply, None
+    nonce = doc.get("nonce")
+    auth.verify(auth.reply_mac(key, pair_id, reply.ok, reply.reason, hello.nonce,
+                               nonce if isinstance(nonce, bytes) else b""),
+                doc.get("mac"), f"reply to pair {pair_id}")
+    return pair_id, reply, PairKeys.derive(key, pair_id, hello.nonce, nonce)
 
 
 def poll(store: dist.Store) -> list[tuple[int, Hello | ProtocolError]]:
@@ -111,12 +145,23 @@ def _decode_hello(data: bytes) -> Hello:
     sender, host = doc.get("sender"), doc.get("host")
     if not isinstance(sender, str) or not isinstance(host, str) or not host:
         raise ProtocolError("hello fields 'sender' and 'host' must be strings")
-    return Hello(sender=sender, host=host, transport=transport, quiet_limit_s=float(limit))
+    nonce, mac = doc.get("nonce", b""), doc.get("mac", b"")
+    if not isinstance(nonce, bytes) or not isinstance(mac, bytes):
+        raise ProtocolError("hello fields 'nonce' and 'mac' must be bytes")
+    return Hello(sender=sender, host=host, transport=transport, quiet_limit_s=float(limit),
+                 nonce=nonce, mac=mac)
 
 
-def answer(store: dist.Store, pair_id: int, reply: Reply) -> None:
-    store.set(f"pairs/{pair_id}/reply", wire.pack({"kind": "reply", "ok": reply.ok,
-                                                   "reason": reply.reason}))
+def answer(store: dist.Store, pair_id: int, reply: Reply, key: bytes | None = None,
+           sender_nonce: bytes = b"", nonce: bytes = b"") -> None:
+    """Receiver side: write the reply; with `key`, signed over the sender's nonce and ours
+    (`nonce`, which the pair's keys were derived from: `PairKeys.derive`)."""
+    doc = {"kind": "reply", "ok": reply.ok, "reason": reply.reason}
+    if key is not None:
+        nonce = nonce or auth.new_nonce()
+        doc.update(nonce=nonce, mac=auth.reply_mac(key, pair_id, reply.ok, reply.reason,
+                                                    sender_nonce, nonce))
+    store.set(f"pairs/{pair_id}/reply", wire.pack(doc))
 
 
 def pair_store(store: dist.Store, pair_id: int) -> dist.Store:

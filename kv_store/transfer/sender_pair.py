@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 
 from kv_store.transfer import rendezvous
+from kv_store.transfer.auth import FrameAuth
 from kv_store.transfer.channel import (
     BACKWARD_TAG,
     FORWARD_TAG,
@@ -192,15 +193,18 @@ class SenderPair:
         self._store = rendezvous.connect(self.address, cfg.connect_timeout_s)
         hello = rendezvous.Hello(
             sender=f"{socket.gethostname()}:{os.getpid()}",
-            host=rendezvous.local_host_for(host),
+            host=(cfg.host if cfg.host not in ("", "0.0.0.0", "::")
+                  else rendezvous.local_host_for(host)),
             transport=self.transport,
             quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.transfer_timeout_s,
         )
-        pair_id, reply = rendezvous.offer(self._store, hello, cfg.connect_timeout_s)
+        pair_id, reply, keys = rendezvous.offer(self._store, hello, cfg.connect_timeout_s,
+                                                cfg.auth_key)
         if not reply.ok:
             raise ConnectionRefusedError(f"receiver refused the pair: {reply.reason}")
         store = rendezvous.pair_store(self._store, pair_id)
-        return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg)
+        return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg,
+                             FrameAuth.for_end(keys, sender=True) if keys else None)
 
     def _next(self) -> Outgoing | None:
         with self._cv:

@@ -19,6 +19,7 @@ class TransferStats:
         self._bytes_received = 0
         self._done = 0
         self._failed = 0
+        self._refused = 0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def add_sent(self, nbytes: int) -> None:
@@ -38,6 +39,11 @@ class TransferStats:
         with self._lock:
             self._failed += 1
 
+    def record_refused(self) -> None:
+        """A pair offer turned down (bad signature, foreign version, no capacity)."""
+        with self._lock:
+            self._refused += 1
+
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         with self._lock:
             lat = sorted(self._latencies)
@@ -46,6 +52,7 @@ class TransferStats:
                 "bytes_received": self._bytes_received,
                 "transfers_done": self._done,
                 "transfers_failed": self._failed,
+                "pairs_refused": self._refused,
                 "latency_s": _summary(lat),
             }
         out.update(extra)

@@ -20,12 +20,14 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 2
+VERSION = 3
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
 #   2 — layer headers carry `head_start`: the global index of the payload's first KV head, so
 #       a slice of heads can travel between groups of different tensor-parallel degrees.
+#   3 — authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`; on a pair
+#       opened that way every header is preceded by a 32-byte HMAC over (sequence, header).
 
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""

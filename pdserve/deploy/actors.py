@@ -43,6 +43,7 @@ class ProcessActor:
     def __init__(self, name: str) -> None:
         self.name = name
         self.process: ManagedProcess | None = None
+        self._env: dict[str, str] = {}
 
     def host(self) -> str:
         return node_ip()
@@ -57,7 +58,10 @@ class ProcessActor:
         gpus = sorted(set(own_gpu_ids()) | set(extra_gpu_ids), key=_gpu_order)
         # Only the GPUs reserved for it ("" = none: a CPU pool on a GPU node stays off them),
         # unless the deployment's env says otherwise.
-        child_env = {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
+        # Ray's own token (RAY_AUTH_TOKEN) stays with Ray: pdserve processes never call it.
+        inherited = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}
+        child_env = {**inherited, "CUDA_VISIBLE_DEVICES": ",".join(gpus), **env}
+        self._env = dict(env)  # its cluster secret and TLS files, to call it (stats)
         self.process = ManagedProcess([sys.executable, "-m", module, *args], child_env,
                                       name=self.name)
         info = self.process.wait_ready(timeout_s)
@@ -78,7 +82,7 @@ class ProcessActor:
         if self.process is None or "address" not in self.process.info:
             return {"error": f"{self.name}: not running"}
         try:
-            return worker_stats(self.process.info["address"], timeout_s)
+            return worker_stats(self.process.info["address"], timeout_s, self._env)
         except grpc.RpcError as exc:
             return {"error": f"{self.name}: GetStats: {exc.code().name}"}
 
@@ -89,13 +93,21 @@ class ProcessActor:
         return self.process.stop(grace_s)
 
 
-def worker_stats(address: str, timeout_s: float) -> dict:
-    """GetStats of the worker at `address`, as the load figures the cluster manager uses."""
-    import grpc
-
+def worker_stats(address: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """GetStats of the worker at `address`, as the load figures the cluster manager uses;
+    authenticated like the worker itself is configured in `env` (the cluster secret, and its
+    TLS files: `PDSERVE_TLS_CA` and its certificate as a client certificate)."""
     from pdserve.proto import worker_pb, worker_pb_grpc
+    from pdserve.serving.security import ClientSecurity, ClientTLS, load_cluster_secret
 
-    with grpc.insecure_channel(address) as channel:
+    env = env or {}
+    tls = None
+    if env.get("PDSERVE_TLS_CA"):
+        tls = ClientTLS.from_files(env["PDSERVE_TLS_CA"], env.get("PDSERVE_TLS_CERT") or None,
+                                   env.get("PDSERVE_TLS_KEY") or None,
+                                   env.get("PDSERVE_TLS_SERVER_NAME", ""))
+    security = ClientSecurity(tls, load_cluster_secret(env))
+    with security.channel(address) as channel:
         s = worker_pb_grpc.WorkerStub(channel).GetStats(worker_pb.StatsRequest(),
                                                         timeout=timeout_s)
     return {"num_running": s.num_running, "num_waiting": s.num_waiting,

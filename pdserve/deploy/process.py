@@ -24,6 +24,8 @@ READY_PREFIX = "PDSERVE_READY "
 supervising actor has no use for (a test pins the two together)."""
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """`pdserve.serving.worker_options.REDIS_URL_ENV` (same reason, same test)."""
+CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
+"""`pdserve.serving.security.CLUSTER_SECRET_ENV` (same reason, same test)."""
 
 
 class ProcessState(enum.Enum):

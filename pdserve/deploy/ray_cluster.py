@@ -17,8 +17,10 @@ and never calls `ray.init` (the caller chooses the cluster).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +33,7 @@ from pdserve.deploy.autoscale import (
     WorkerLoad,
     least_loaded,
 )
-from pdserve.deploy.process import REDIS_URL_ENV
+from pdserve.deploy.process import CLUSTER_SECRET_ENV, REDIS_URL_ENV
 from pdserve.deploy.spec import ROLES, RayClusterSpec
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,8 @@ class RayCluster:
     def __init__(self, spec: RayClusterSpec) -> None:
         import ray  # noqa: F401 — fail here, with Ray's own message, when it is missing
 
+        if not spec.cluster_secret:  # every process of this deployment shares one
+            spec = dataclasses.replace(spec, cluster_secret=secrets.token_urlsafe(32))
         self.spec = spec
         self.pools: dict[str, list[_Worker]] = {role: [] for role in ROLES}
         self.router: _Worker | None = None
@@ -255,7 +259,8 @@ class RayCluster:
         return w
 
     def _env(self) -> dict[str, str]:
-        return {**self.spec.env, REDIS_URL_ENV: self.spec.redis_url}
+        return {**self.spec.env, REDIS_URL_ENV: self.spec.redis_url,
+                CLUSTER_SECRET_ENV: self.spec.cluster_secret}
 
     def _release(self, workers: list[_Worker]) -> None:
         """Stop the processes (in parallel), then free their actors and placement groups."""

@@ -107,6 +107,10 @@ class RayClusterSpec:
     lands on (what other nodes can reach). Tests on one machine pass 127.0.0.1."""
     env: dict[str, str] = field(default_factory=dict, hash=False)
     """Extra environment of every process (e.g. OMP_NUM_THREADS, log settings)."""
+    cluster_secret: str = field(default="", repr=False)
+    """Authenticates internal calls (`pdserve.serving.security`); "" = a fresh one when the
+    cluster starts. Handed to every process as $PDSERVE_CLUSTER_SECRET (through the actor's
+    call arguments, never a command line or a Ray runtime env); never in a repr."""
     ready_timeout_s: float = 300.0
     """How long a process may take to announce itself (model load included)."""
     stop_grace_s: float = 40.0

@@ -32,6 +32,9 @@ class EngineConfig:
     """torch (reference), triton, or auto (triton on CUDA)."""
     tensor_parallel_size: int = 1
     """Ranks that shard each layer (see pdserve.engine.tp for the multi-process driver)."""
+    enable_expert_parallel: bool = False
+    """MoE models: each TP rank holds whole experts (E / TP of them) instead of a slice of
+    every expert (needs the expert count to divide by the TP degree)."""
     seed: int = 0
     """Seed of the engine's own RNG, which draws per-request seeds for unseeded requests."""
     quantization: str | None = None

@@ -6,6 +6,7 @@ offline use. A `layer_hook` passed to `step()` runs after each layer's KV is wri
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -58,10 +59,12 @@ class LLMEngine:
         if config.tensor_parallel_size > 1 and tp.size == 1:
             from pdserve.engine.tp.driver import TPDriver, check_divisible
 
-            check_divisible(self.model_config, config.tensor_parallel_size)
+            check_divisible(self.model_config, config.tensor_parallel_size,
+                            config.enable_expert_parallel)
             # Rank 0 of a new TP group; `tp_role` picks the followers' worker plugin.
             self.tp_driver = TPDriver(config, self.device, follower_args=("--role", tp_role))
             tp = self.tp_driver.context
+        tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
         try:
             model = load_model(self.model_dir, self.model_config, self.dtype, self.device, tp,

@@ -14,12 +14,21 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.moe_config import MoEConfig, moe_config_from_dict
+
 # architecture name -> family; the family decides the few structural differences.
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Families whose attention is not GQA yet: named so the refusal says what is missing.
+_NEEDS_MLA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -58,9 +67,9 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a decoder-only transformer (Llama family)."""
+    """Architecture of a decoder-only transformer (Llama-shaped attention)."""
 
-    family: str  # "llama" | "mistral" | "qwen2"
+    family: str  # a value of SUPPORTED_ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -78,6 +87,8 @@ class ModelConfig:
     sliding_window: int | None = None  # keys older than this many positions are masked
     torch_dtype: str = "float32"  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head's q and k before rotary
+    moe: MoEConfig | None = None  # the sparse MLP blocks of a mixture-of-experts model
 
     @property
     def q_size(self) -> int:
@@ -94,6 +105,10 @@ class ModelConfig:
                       None)
         if family is None:
             family = cfg.get("model_type")
+        mla = [a for a in archs if a in _NEEDS_MLA]
+        if mla:
+            raise ValueError(f"{mla[0]} needs Multi-head Latent Attention, which this "
+                             "engine does not support yet")
         if family not in SUPPORTED_ARCHITECTURES.values():
             raise ValueError(
                 f"unsupported architecture {archs or cfg.get('model_type')!r}; "
@@ -118,12 +133,14 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope=_rope_from_dict(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=family == "qwen2" or attention_bias,
-            o_bias=family != "qwen2" and attention_bias,
+            qkv_bias=_qkv_bias(family, cfg, attention_bias),
+            o_bias=family not in ("qwen2", "qwen2_moe") and attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             sliding_window=_sliding_window(family, cfg),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
             eos_token_ids=eos_ids,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
+            moe=moe_config_from_dict(family, cfg),
         )
 
     @classmethod
@@ -147,15 +164,25 @@ def _rope_from_dict(cfg: dict[str, Any]) -> RopeConfig:
     return RopeConfig(theta=theta, rope_type=rope_type, params=numeric)
 
 
+def _qkv_bias(family: str, cfg: dict[str, Any], attention_bias: bool) -> bool:
+    if family == "qwen2":
+        return True
+    if family == "qwen2_moe":  # released checkpoints omit the flag and have the biases
+        return bool(cfg.get("qkv_bias", True))
+    return attention_bias
+
+
 def _sliding_window(family: str, cfg: dict[str, Any]) -> int | None:
     window = cfg.get("sliding_window")
     if window is None:
         return None
-    if family == "qwen2":
+    if family == "qwen3_moe":  # one window for every layer, when enabled
+        return int(window) if cfg.get("use_sliding_window", False) and window else None
+    if family in _QWEN:
         # Qwen2 applies the window only when asked, and only to some layers; we support the
         # common case (no sliding layers) and refuse the rest rather than be silently wrong.
         layer_types = cfg.get("layer_types") or []
         if not cfg.get("use_sliding_window", False) or "sliding_attention" not in layer_types:
             return None
-        raise ValueError("Qwen2 sliding-window layers are not supported")
+        raise ValueError(f"{family} sliding-window layers are not supported")
     return int(window)

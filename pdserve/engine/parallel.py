@@ -19,6 +19,9 @@ class ParallelContext:
     rank: int = 0
     size: int = 1
     group: Any = None  # a torch.distributed ProcessGroup when size > 1
+    expert_parallel: bool = False
+    """MoE layers give each rank whole experts (E / size of them) instead of a slice of every
+    expert's intermediate dimension; either way one all-reduce per MoE block."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:

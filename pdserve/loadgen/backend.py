@@ -13,6 +13,7 @@ from typing import Protocol
 
 from pdserve.loadgen.datasets import BenchRequest
 from pdserve.loadgen.records import RequestResult
+from pdserve.serving.security.tls import ClientTLS
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class SendOptions:
     """Bearer token, when the server wants one."""
     model: str = ""
     """Model id ("" = the server's default)."""
+    tls: ClientTLS | None = field(default=None, repr=False)
+    """TLS to the server (its CA, and a client certificate for mTLS); None = plaintext."""
 
 
 @dataclass(frozen=True)

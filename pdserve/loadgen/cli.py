@@ -34,6 +34,7 @@ from pdserve.loadgen.plots import PlotUnavailable, latency_cdfs
 from pdserve.loadgen.progress import make_progress
 from pdserve.loadgen.report import Report, format_report, make_report, to_json, write_report
 from pdserve.loadgen.runner import RunConfig, run_workload
+from pdserve.serving.security import args as security_args
 
 # Dataset-specific flags (dest names) and the datasets that take them.
 _DATASET_FLAGS = {
@@ -51,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     server.add_argument("--openai-url", default=None,
                         help="OpenAI-compatible API root, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", default="", help="model id (default: the server's default)")
-    p.add_argument("--token", default=None, help="bearer token")
+    security_args.add_client_args(p)
     load = p.add_argument_group("load")
     load.add_argument("--num-prompts", type=int, default=100)
     load.add_argument("--request-rate", type=float, default=math.inf,
@@ -115,19 +116,22 @@ def run(a: argparse.Namespace) -> int:
             if a.warmup > 0 else ()
         config = RunConfig(arrival_spec(a), a.concurrency, a.seed)
         slos = parse_slos(a.goodput)
+        options = SendOptions(a.temperature, a.timeout, security_args.api_token(a), a.model,
+                              security_args.client_tls(a))
     except ValueError as exc:
         print(f"pdserve bench: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run(a, workload, warmup, config, slos))
+        return asyncio.run(_run(a, options, workload, warmup, config, slos))
     except KeyboardInterrupt:
         print("pdserve bench: interrupted", file=sys.stderr)
         return 130
 
 
-async def _run(a: argparse.Namespace, workload: Workload, warmup: tuple[BenchRequest, ...],
-               config: RunConfig, slos: tuple[Slo, ...]) -> int:
-    backend = _backend(a)
+async def _run(a: argparse.Namespace, options: SendOptions, workload: Workload,
+               warmup: tuple[BenchRequest, ...], config: RunConfig, slos: tuple[Slo, ...]
+               ) -> int:
+    backend = _backend(a, options)
     try:
         try:
             info = await backend.server_info()
@@ -151,8 +155,7 @@ async def _run(a: argparse.Namespace, workload: Workload, warmup: tuple[BenchReq
     return 0 if report.overall.completed else 1
 
 
-def _backend(a: argparse.Namespace) -> Backend:
-    options = SendOptions(a.temperature, a.timeout, a.token, a.model)
+def _backend(a: argparse.Namespace, options: SendOptions) -> Backend:
     if a.openai_url:
         from pdserve.loadgen.openai_backend import OpenAIBackend
 
@@ -177,7 +180,7 @@ def _length_problem(workload: Workload, warmup: tuple[BenchRequest, ...],
 
 
 def _echo_config(a: argparse.Namespace, model: str) -> dict[str, Any]:
-    skip = {"token", "cmd"}
+    skip = {"token", "token_file", "cmd"}
     config = {k: v for k, v in vars(a).items() if k not in skip}
     config["request_rate"] = None if math.isinf(a.request_rate) else a.request_rate
     config["server_model"] = model

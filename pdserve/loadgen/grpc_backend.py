@@ -17,7 +17,12 @@ from pdserve.loadgen.records import Recorder, RequestResult
 
 class GrpcBackend:
     def __init__(self, target: str, options: SendOptions) -> None:
-        self._client = AsyncClient(target, token=options.token, max_retries=0)
+        tls = options.tls
+        self._client = AsyncClient(
+            target, token=options.token, max_retries=0,
+            root_certificates=tls.ca if tls is not None else None,
+            private_key=tls.private_key if tls is not None else None,
+            certificate_chain=tls.cert_chain if tls is not None else None)
         self._options = options
 
     async def server_info(self) -> ServerInfo:

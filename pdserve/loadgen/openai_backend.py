@@ -74,7 +74,10 @@ class OpenAIBackend:
                 headers["Authorization"] = f"Bearer {self._options.token}"
             self._session = aiohttp.ClientSession(
                 headers=headers, timeout=aiohttp.ClientTimeout(total=self._options.timeout_s),
-                connector=aiohttp.TCPConnector(limit=0))  # the runner bounds concurrency
+                # the runner bounds concurrency
+                connector=aiohttp.TCPConnector(
+                    limit=0, ssl=(self._options.tls.ssl_context() if self._options.tls
+                                  else True)))
         return self._session
 
 

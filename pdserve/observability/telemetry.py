@@ -3,7 +3,8 @@ the engine collector, the request interceptor for its gRPC server and the `/metr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import ssl
+from collections.abc import Callable, Iterable, Sequence
 
 from prometheus_client import CollectorRegistry
 
@@ -14,8 +15,11 @@ from pdserve.observability.worker_requests import RequestInterceptor, WorkerRequ
 
 class WorkerTelemetry:
     def __init__(self, component: str, worker_id: str, snapshot: Callable[[], WorkerSnapshot],
-                 host: str, metrics_port: int, methods: Iterable[str]) -> None:
-        """`metrics_port`: 0 = any free port, -1 = no `/metrics` server."""
+                 host: str, metrics_port: int, methods: Iterable[str],
+                 ssl_context: ssl.SSLContext | None = None, tokens: Sequence[str] = ()
+                 ) -> None:
+        """`metrics_port`: 0 = any free port, -1 = no `/metrics` server; `ssl_context` and
+        `tokens` (bearer) secure it."""
         if metrics_port < -1:
             raise ValueError(f"metrics_port must be -1 (off), 0 (any) or a port, "
                              f"got {metrics_port}")
@@ -24,7 +28,8 @@ class WorkerTelemetry:
         self.requests = WorkerRequestMetrics(self.registry, component, worker_id)
         self.interceptor = RequestInterceptor(self.requests, methods)
         self.server = (None if metrics_port == -1
-                       else MetricsServer(host, metrics_port, self.registry))
+                       else MetricsServer(host, metrics_port, self.registry, ssl_context,
+                                          tokens))
 
     def ready_info(self) -> dict[str, str]:
         """Fields for the `PDSERVE_READY` line."""

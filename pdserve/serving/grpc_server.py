@@ -9,6 +9,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from pdserve.serving.security.tls import TLSConfig
+
 MAX_MESSAGE_BYTES = 64 * 2**20
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -18,15 +20,6 @@ SERVER_OPTIONS = [
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
-
-
-@dataclass(frozen=True)
-class TLSConfig:
-    """Server-side TLS; with `client_ca` set, clients must present a certificate (mTLS)."""
-
-    cert_chain: bytes
-    private_key: bytes
-    client_ca: bytes | None = None
 
 
 @dataclass
@@ -59,13 +52,13 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     if tls is None:
         bound = server.add_insecure_port(address)
     else:
-        creds = grpc.ssl_server_credentials(
-            [(tls.private_key, tls.cert_chain)], root_certificates=tls.client_ca,
-            require_client_auth=tls.client_ca is not None)
-        bound = server.add_secure_port(address, creds)
+        bound = server.add_secure_port(address, tls.grpc_credentials())
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
     running = RunningServer(server, bound, health_servicer)
     await running.set_serving(True)
     return running
+
+
+__all__ = ["MAX_MESSAGE_BYTES", "SERVER_OPTIONS", "RunningServer", "TLSConfig", "start_server"]

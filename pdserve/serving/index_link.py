@@ -144,7 +144,8 @@ async def open_index_link(options: WorkerOptions, recorder: BlockRecorder,
     from kv_store.index.redis_common import check_url, masked_url  # redis only when used
 
     try:
-        index = create_index(check_url(options.redis_url), follow=False)
+        index = create_index(check_url(options.redis_url), follow=False,
+                             tls_ca=options.redis_ca)
         await index.start()
     except KVIndexConfigError as exc:
         raise SystemExit(f"{options.role} worker {options.worker_id}: --redis: {exc}") from None

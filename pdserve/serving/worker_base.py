@@ -33,6 +33,7 @@ from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
+from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 if TYPE_CHECKING:
@@ -129,10 +130,15 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:
-    """The worker's metrics (`/metrics` on `--host`:`--metrics-port`) and request logging
-    interceptor for its gRPC server."""
+    """The worker's metrics (`/metrics` on `--metrics-host`:`--metrics-port`, with the
+    worker's TLS and the metrics tokens) and request logging interceptor for its gRPC
+    server."""
+    sec = options.security
     return WorkerTelemetry(options.role, options.worker_id, service.metrics_snapshot,
-                           options.host, options.metrics_port, ("Prefill", "Decode"))
+                           options.metrics_host or options.host, options.metrics_port,
+                           ("Prefill", "Decode"),
+                           sec.tls.ssl_context() if sec.tls is not None else None,
+                           sec.metrics_tokens)
 
 
 def announce_ready(info: dict) -> None:
@@ -200,12 +206,16 @@ async def drain(server: RunningServer, link: IndexLink | None,
 
 async def start_worker_server(options: WorkerOptions, service: WorkerServicerBase,
                               interceptors=()) -> RunningServer:
-    """The worker's gRPC server (Worker service, health, reflection) on its host and port."""
+    """The worker's gRPC server (Worker service, health, reflection) on its host and port,
+    with its TLS; callers are authenticated (`InternalSecurity.server_interceptors`) before
+    any other interceptor sees the call."""
+    sec = options.security
+    sec.warn_if_open(f"{options.role} worker {options.worker_id}")
     return await start_server(
         options.host, options.port,
         lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
         [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
-        interceptors=interceptors)
+        tls=sec.tls, interceptors=[*sec.server_interceptors(), *interceptors])
 
 
 def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
@@ -213,6 +223,12 @@ def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
     """Entry point of a worker role: parse the shared flags, set up the process, serve."""
     parser = argparse.ArgumentParser(prog=f"{role}_worker")
     add_worker_args(parser)
-    options = options_from_args(role, parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        options = options_from_args(role, args)
+    except ValueError as exc:  # bad flags, unreadable TLS files or secret
+        parser.error(str(exc))
+    if args.cluster_secret_file:  # its tensor-parallel followers (children) read it too
+        os.environ[CLUSTER_SECRET_FILE_ENV] = args.cluster_secret_file
     configure_process(options)
     asyncio.run(serve(options))

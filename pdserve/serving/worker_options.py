@@ -9,10 +9,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.serving.security import ClientSecurity, InternalSecurity
+from pdserve.serving.security import args as security_args
 
 REDIS_URL_ENV = "PDSERVE_REDIS_URL"
 """Where `--redis` defaults from: a URL with a password is better kept out of command lines
 (visible to every local user in the process table)."""
+REDIS_CA_ENV = "PDSERVE_REDIS_CA"
+"""Where `--redis-ca` defaults from: the CA of a `rediss://` server."""
 
 
 @dataclass(frozen=True)
@@ -30,8 +34,10 @@ class WorkerOptions:
     threads: int = 0
     """torch intra-op threads (0 = leave torch's default)."""
     metrics_port: int = 0
-    """Port of the Prometheus `/metrics` server, bound to `host` (0 = any free port, announced
-    as `metrics_address`; -1 = no metrics server)."""
+    """Port of the Prometheus `/metrics` server, bound to `metrics_host` (0 = any free port,
+    announced as `metrics_address`; -1 = no metrics server)."""
+    metrics_host: str = ""
+    """Bind address of `/metrics` ("" = `host`)."""
     redis_url: str = field(default="", repr=False)
     """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
     under its gRPC address and publishes its prefix-cache changes ("" = none: the router
@@ -39,6 +45,11 @@ class WorkerOptions:
     drain_timeout_s: float = 30.0
     """On SIGTERM: longest wait for the calls in flight (and KV transfers) to finish before
     the worker exits (`--drain-timeout`; `worker_base.DrainConfig.grace_s`)."""
+    redis_ca: str = ""
+    """PEM CA file of a `rediss://` server ("" = the system's roots)."""
+    security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
+                                       hash=False)
+    """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
     extra: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
@@ -66,6 +77,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
     p.add_argument("--model-id", default="")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="MoE models: each TP rank holds whole experts instead of a slice of "
+                        "every expert")
     p.add_argument("--kv-host-gb", type=float, default=0.0,
                    help="host-memory KV tier, GiB (0 = off)")
     p.add_argument("--kv-ssd-dir", default=None,
@@ -80,6 +94,11 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                    help="on SIGTERM, longest wait in seconds for requests in flight to finish "
                         "before exiting (default 30)")
+    p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
+                   help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
+    security_args.add_tls_args(p, server_name=True)
+    security_args.add_secret_args(p)
+    security_args.add_metrics_args(p)
 
 
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
@@ -97,7 +116,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
         attention_backend=a.attention_backend, quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
-        tensor_parallel_size=a.tp, kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
+        tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
+        kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
     if not 0 <= a.drain_timeout <= 3600:
         raise ValueError(f"--drain-timeout must be in [0, 3600] seconds, got {a.drain_timeout}")
@@ -106,5 +126,16 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
                          f"number, got {a.metrics_port}")
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
-                         metrics_port=a.metrics_port, redis_url=a.redis,
-                         drain_timeout_s=a.drain_timeout)
+                         metrics_port=a.metrics_port, metrics_host=a.metrics_host,
+                         redis_url=a.redis, redis_ca=a.redis_ca,
+                         security=security_from_args(a), drain_timeout_s=a.drain_timeout)
+
+
+def security_from_args(a: argparse.Namespace) -> InternalSecurity:
+    """The worker's internal plane from its TLS, secret and metrics flags (`ValueError`
+    naming the flag or file when they cannot work)."""
+    secret = security_args.cluster_secret(a)
+    return InternalSecurity(
+        tls=security_args.server_tls(a),
+        client=ClientSecurity(security_args.worker_client_tls(a), secret), secret=secret,
+        metrics_tokens=security_args.metrics_tokens(a))

@@ -23,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import ssl
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
 from router.openai import chat, completions, sse
 from router.openai.errors import (
@@ -45,8 +47,7 @@ from router.openai.schemas import ServedModel
 
 log = logging.getLogger(__name__)
 
-# Operational endpoints stay open like /health: metrics hold counts and latencies, never
-# request content, and scrapers are configured without the API's tokens.
+# /health stays open (probes); /metrics checks its own tokens (`HttpConfig.metrics_tokens`).
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -63,6 +64,10 @@ class HttpConfig:
     """Longest wait for a request's body once its headers are in (408)."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted (empty = no auth); the router passes the gRPC API's tokens."""
+    metrics_tokens: tuple[str, ...] = field(default=(), repr=False)
+    """Bearer tokens for `/metrics` (empty = `auth_tokens`: metrics follow the API's auth)."""
+    ssl_context: ssl.SSLContext | None = field(default=None, compare=False)
+    """TLS (None = plaintext HTTP); one that requires client certificates makes it mTLS."""
 
 
 class OpenAIServer:
@@ -102,9 +107,11 @@ class OpenAIServer:
         server = self._runner.server
         assert server is not None
         timeout = self.config.header_timeout_s
+        # Our own listener instead of web.TCPSite: every connection's protocol is wrapped in
+        # HeadTimeout. TLS wraps the transport below it, so the timer sees plaintext.
         self._site = await asyncio.get_running_loop().create_server(
             lambda: HeadTimeout(server(), timeout), self.config.host, self.config.port,
-            reuse_address=True)
+            ssl=self.config.ssl_context, reuse_address=True)
         port = self._site.sockets[0].getsockname()[1]
         self.address = f"{self.config.host}:{port}"
         return self.address
@@ -130,6 +137,9 @@ class OpenAIServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
+        if not bearer_ok(request.headers.get("Authorization"),
+                         self.config.metrics_tokens or self.config.auth_tokens):
+            raise unauthenticated()
         return web.Response(body=generate_latest(self.metrics),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

@@ -37,8 +37,10 @@ def test_command_lines_carry_no_secret_and_the_router_no_worker_list():
                               "10.0.0.1")
     assert "--decode" not in r and "--prefill" not in r and "--redis" not in r
     assert r[-2:] == ["--routing", "kv"]
-    spec = RayClusterSpec(model="/m", redis_url="redis://:topsecret@h:6379/0")
-    assert "topsecret" not in repr(spec)
+    spec = RayClusterSpec(model="/m", redis_url="redis://:topsecret@h:6379/0",
+                          cluster_secret="cluster-secret-value")
+    assert "topsecret" not in repr(spec) and "cluster-secret-value" not in repr(spec)
+    assert not any("secret" in arg for arg in [*args, *r])
 
 
 @pytest.mark.parametrize("make, field", [
@@ -67,11 +69,13 @@ def test_a_stop_outlasts_a_workers_drain():
 
 
 def test_constants_spelled_out_match_the_workers():
+    from pdserve.serving.security import CLUSTER_SECRET_ENV
     from pdserve.serving.worker_base import READY_PREFIX
     from pdserve.serving.worker_options import REDIS_URL_ENV
 
     assert process.READY_PREFIX == READY_PREFIX
     assert process.REDIS_URL_ENV == REDIS_URL_ENV
+    assert process.CLUSTER_SECRET_ENV == CLUSTER_SECRET_ENV
 
 
 def test_managed_process_reads_ready_and_stops_with_sigterm():

@@ -13,7 +13,7 @@ import pytest
 
 from pdserve.deploy.spec import PoolSpec, RayClusterSpec, RouterSpec
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, worker_stats
+from tests.helpers.cluster import TEST_SECRET, eventually, worker_stats
 from tests.helpers.engine import random_prompts
 from tests.helpers.redis_server import (
     RedisServer,
@@ -158,7 +158,7 @@ def test_router_serves_while_the_decode_pool_scales(local_ray, redis_server, tin
         model=str(tiny_llama), redis_url=redis_server.url(), host="127.0.0.1", env=ENV,
         prefill=PoolSpec("prefill", **worker), decode=PoolSpec("decode", **worker),
         router=RouterSpec(port=0, http_port=-1, num_cpus=0.25, args=("--routing", "round-robin")),
-        stop_grace_s=5)
+        stop_grace_s=5, cluster_secret=TEST_SECRET)
     cluster = RayCluster(spec).start()
     pids = []
     try:

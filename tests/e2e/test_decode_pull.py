@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from pdserve.client import Client
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto import pb, worker_pb, worker_pb_grpc
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import start_cluster, wait_idle, worker_channel, worker_stats
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -64,7 +63,7 @@ def test_second_turn_on_another_decode_worker_pulls_its_prefix(cluster, tiny_lla
 def _direct_decode(address: str, rid: str, prompt: list[int], source: worker_pb.KVSource):
     """A Decode call straight to a decode worker, as the router would make it."""
     sampling = pb.SamplingParams(max_tokens=GREEDY.max_tokens, temperature=0.0, ignore_eos=True)
-    with grpc.insecure_channel(address) as ch:
+    with worker_channel(address) as ch:
         events = list(worker_pb_grpc.WorkerStub(ch).Decode(worker_pb.DecodeRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=1,
             local_prefill=True, deadline_unix_s=time.time() + 60, kv_source=source),

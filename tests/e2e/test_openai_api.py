@@ -14,7 +14,7 @@ import pytest
 from pdserve.client import Client
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.tokenizer import Tokenizer
-from tests.helpers.cluster import wait_idle, worker_stats
+from tests.helpers.cluster import TEST_SECRET, wait_idle, worker_stats
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -28,7 +28,8 @@ def cluster(tiny_llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("openai-cluster") / "logs"
     spec = ClusterSpec(model=str(tiny_llama), port=0, threads_per_worker=1,
                        worker_args=("--dtype", "float32"), log_dir=str(logs),
-                       env={"OMP_NUM_THREADS": "1", "PDSERVE_AUTH_TOKENS": TOKEN})
+                       env={"OMP_NUM_THREADS": "1", "PDSERVE_AUTH_TOKENS": TOKEN},
+                       cluster_secret=TEST_SECRET)
     c = LocalCluster(spec).start()
     yield c
     c.stop()

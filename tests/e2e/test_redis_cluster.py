@@ -13,7 +13,6 @@ import subprocess
 import sys
 import time
 
-import grpc
 import pytest
 import redis
 
@@ -30,7 +29,7 @@ from pdserve.client import AsyncClient, Client
 from pdserve.engine import LLM
 from pdserve.proto import worker_pb, worker_pb_grpc
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_channel, worker_stats
 from tests.helpers.engine import greedy_ids, random_prompts
 from tests.helpers.redis_server import (
     RedisServer,
@@ -103,7 +102,7 @@ def _registrations(server: RedisServer, workers: list[str]) -> list[int]:
 
 
 def _hashes(cluster, prompt):
-    with grpc.insecure_channel(_addresses(cluster, "decode")[0]) as ch:
+    with worker_channel(_addresses(cluster, "decode")[0]) as ch:
         info = worker_pb_grpc.WorkerStub(ch).GetInfo(worker_pb.InfoRequest(), timeout=10)
     return chain_hashes(prompt, info.block_size, info.hash_extra)
 
@@ -137,7 +136,7 @@ def test_workers_register_by_address_and_publish_their_blocks(cluster, redis_ser
                what="a worker's stored blocks reach the stream")
     # One consumer of the recorder: with --redis the stats carry no KV events.
     for address in _addresses(cluster):
-        with grpc.insecure_channel(address) as ch:
+        with worker_channel(address) as ch:
             stats = worker_pb_grpc.WorkerStub(ch).GetStats(
                 worker_pb.StatsRequest(kv_snapshot=True), timeout=10)
         assert stats.kv_events == b""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 
-import grpc
 import pytest
 
 from pdserve.client import Client
@@ -20,7 +19,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.proto import pb, worker_pb, worker_pb_grpc
 from tests.e2e.test_metrics import scrape, total
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, start_cluster, wait_idle
+from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_channel
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -83,7 +82,7 @@ def _direct(address: str, rid: str, prompt: list[int], max_tokens: int) -> list[
     """A Decode call straight to a decode worker that prefills locally (no router involved,
     so the router's round-robin turn does not move)."""
     sampling = pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    with grpc.insecure_channel(address) as ch:
+    with worker_channel(address) as ch:
         events = list(worker_pb_grpc.WorkerStub(ch).Decode(worker_pb.DecodeRequest(
             request_id=rid, prompt_token_ids=prompt, sampling=sampling, seed=1,
             local_prefill=True, deadline_unix_s=time.time() + 60), timeout=60))

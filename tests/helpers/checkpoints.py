@@ -27,6 +27,30 @@ def _config(family: str, **overrides):
     if family == "mistral":
         kwargs.setdefault("sliding_window", 48)
         return transformers.MistralConfig(**kwargs)
+    if family == "qwen3":
+        kwargs.setdefault("head_dim", 32)  # explicit, and not hidden / heads
+        return transformers.Qwen3Config(**kwargs)
+    return _moe_config(family, kwargs)
+
+
+def _moe_config(family: str, kwargs: dict):
+    """Tiny MoE configs: 4 experts, top-2, hidden 64 (the `_COMMON` sizes)."""
+    import transformers
+
+    kwargs.setdefault("num_experts_per_tok", 2)
+    if family == "mixtral":
+        kwargs.setdefault("num_local_experts", 4)
+        return transformers.MixtralConfig(**kwargs)
+    kwargs.setdefault("num_experts", 4)
+    kwargs.setdefault("moe_intermediate_size", 32)
+    if family == "qwen2_moe":  # shared expert with its gate; layer 1 keeps a dense MLP
+        kwargs.setdefault("shared_expert_intermediate_size", 64)
+        kwargs.setdefault("mlp_only_layers", [1])
+        return transformers.Qwen2MoeConfig(**kwargs)
+    if family == "qwen3_moe":
+        kwargs.setdefault("norm_topk_prob", True)
+        kwargs.setdefault("head_dim", 32)
+        return transformers.Qwen3MoeConfig(**kwargs)
     raise ValueError(family)
 
 

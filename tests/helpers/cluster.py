@@ -11,22 +11,35 @@ import grpc
 
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.proto import worker_pb, worker_pb_grpc
+from pdserve.serving.security import ClientSecurity, ClusterSecret
+
+TEST_SECRET = "pdserve-test-cluster-secret-do-not-use"
+"""The cluster secret of the test clusters, so helpers can call their workers by address."""
+TEST_SECURITY = ClientSecurity(secret=ClusterSecret(TEST_SECRET.encode()))
 
 
 def start_cluster(model: Path, tmp: Path, prefill: int = 1, decode: int = 1,
                   worker_args: tuple[str, ...] = (), router_args: tuple[str, ...] = (),
                   prefill_tp: int = 1, decode_tp: int = 1,
-                  env: dict[str, str] | None = None, redis_url: str = "") -> LocalCluster:
-    spec = ClusterSpec(model=str(model), port=0, num_prefill=prefill, num_decode=decode,
+                  env: dict[str, str] | None = None, redis_url: str = "",
+                  tls: bool = False, host: str = "127.0.0.1") -> LocalCluster:
+    spec = ClusterSpec(model=str(model), host=host, port=0, num_prefill=prefill, num_decode=decode,
                        prefill_tp=prefill_tp, decode_tp=decode_tp,
                        threads_per_worker=1, worker_args=("--dtype", "float32", *worker_args),
                        router_args=router_args, log_dir=str(tmp / "logs"),
-                       env={"OMP_NUM_THREADS": "1", **(env or {})}, redis_url=redis_url)
+                       env={"OMP_NUM_THREADS": "1", **(env or {})}, redis_url=redis_url,
+                       tls=tls, cluster_secret=TEST_SECRET)
     return LocalCluster(spec).start()
 
 
-def worker_stats(address: str) -> worker_pb.WorkerStats:
-    with grpc.insecure_channel(address) as ch:
+def worker_channel(address: str, security: ClientSecurity = TEST_SECURITY) -> grpc.Channel:
+    """A blocking channel to a test cluster's worker, with the cluster's credentials."""
+    return security.channel(address)
+
+
+def worker_stats(address: str, security: ClientSecurity = TEST_SECURITY
+                 ) -> worker_pb.WorkerStats:
+    with worker_channel(address, security) as ch:
         return worker_pb_grpc.WorkerStub(ch).GetStats(worker_pb.StatsRequest(), timeout=10)
 
 
@@ -39,7 +52,7 @@ def wait_idle(cluster: LocalCluster, timeout_s: float = 20.0) -> dict[str, int]:
         for c in cluster.children:
             if c.proc.poll() is not None:
                 continue  # a worker a test killed
-            s = worker_stats(c.info["address"])
+            s = worker_stats(c.info["address"], cluster.security)
             used[c.name] = s.kv_blocks_used + s.num_running + s.num_waiting
         if not any(used.values()):
             return used

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import ssl
 import subprocess
 import time
 from pathlib import Path
@@ -43,7 +44,9 @@ class RedisServer:
     """One `redis-server` process that can be killed and restarted empty on the same port."""
 
     def __init__(self, tmp_dir: Path, password: str | None = None,
-                 username: str | None = None, startup_timeout_s: float = 10.0) -> None:
+                 username: str | None = None, startup_timeout_s: float = 10.0,
+                 tls: tuple[str, str, str] | None = None) -> None:
+        """`tls`: (CA, certificate, key) paths: the server speaks TLS only (`rediss://`)."""
         self.binary = require_redis_server()
         self.dir = Path(tmp_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -52,6 +55,7 @@ class RedisServer:
         self.port = _free_port()
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
+        self.tls = tls
 
     def url(self, password: str | None = ..., username: str | None = ..., db: int = 0) -> str:
         """URL for this server; by default with the configured credentials."""
@@ -60,21 +64,30 @@ class RedisServer:
         auth = ""
         if password is not None:
             auth = f"{quote(username or '', safe='')}:{quote(password, safe='')}@"
-        return f"redis://{auth}127.0.0.1:{self.port}/{db}"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://{auth}127.0.0.1:{self.port}/{db}"
 
     def start(self) -> RedisServer:
         if self.proc is not None:
             raise RuntimeError("redis-server already running")
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-                "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-                "--logfile", str(self.dir / "redis.log"), "--daemonize", "no"]
+        # The configuration goes in on stdin: a password stays out of the process table.
+        conf = [f"port {0 if self.tls else self.port}", "bind 127.0.0.1", 'save ""',
+                "appendonly no", f"dir {self.dir}", f"logfile {self.dir / 'redis.log'}",
+                "daemonize no"]
+        if self.tls:
+            ca, cert, key = self.tls
+            conf += [f"tls-port {self.port}", f"tls-cert-file {cert}", f"tls-key-file {key}",
+                     f"tls-ca-cert-file {ca}", "tls-auth-clients no"]
         if self.password is not None:
             if self.username:
-                args += ["--user", "default", "off",
-                         "--user", self.username, "on", f">{self.password}", "~*", "&*", "+@all"]
+                conf += ["user default off",
+                         f"user {self.username} on >{self.password} ~* &* +@all"]
             else:
-                args += ["--requirepass", self.password]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                conf.append(f"requirepass {self.password}")
+        self.proc = subprocess.Popen([self.binary, "-"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc.stdin.write("\n".join(conf).encode() + b"\n")
+        self.proc.stdin.close()
         self._wait_ready()
         return self
 
@@ -88,7 +101,7 @@ class RedisServer:
                 self.proc = None
                 raise RuntimeError(f"redis-server exited at startup: {err}\n{log[-2000:]}")
             try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+                with self._connect() as s:
                     s.sendall(b"PING\r\n")
                     reply = s.recv(64)
                 if reply.startswith((b"+PONG", b"-NOAUTH")):
@@ -98,6 +111,13 @@ class RedisServer:
             time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection(("127.0.0.1", self.port), timeout=0.5)
+        if not self.tls:
+            return sock
+        ctx = ssl.create_default_context(cafile=self.tls[0])
+        return ctx.wrap_socket(sock, server_hostname="127.0.0.1")
 
     def kill(self) -> None:
         """SIGKILL the server (its data is lost: it never saves)."""

@@ -261,3 +261,29 @@ def test_an_unreachable_redis_at_startup_degrades_then_recovers(tmp_path):
     finally:
         with contextlib.suppress(Exception):
             srv.kill()
+
+
+def test_rediss_with_an_acl_user_verifies_the_servers_certificate(tmp_path):
+    require_redis_server()
+    from pdserve.serving.security.certs import ThrowawayCA
+
+    ca = ThrowawayCA(tmp_path / "ca")
+    cert = ca.issue("redis", ("127.0.0.1",))
+    with RedisServer(tmp_path / "tls", password="pw-tls", username="pdserve",
+                     tls=(ca.ca_path, cert.cert, cert.key)) as srv:
+        assert srv.url().startswith("rediss://pdserve:pw-tls@")
+
+        async def main():
+            good = replace(fast_config("t", True), tls_ca=ca.ca_path)
+            index = RedisKVIndex(srv.url(), good)
+            await index.start()
+            await index.register("w", {}, ttl_s=30)
+            await eventually(lambda: index.workers())
+            await index.close()
+            other = ThrowawayCA(tmp_path / "other").ca_path  # not the server's CA
+            stranger = RedisKVIndex(srv.url(), replace(good, tls_ca=other))
+            with pytest.raises(KVIndexConfigError, match="certificate") as err:
+                await stranger.start()
+            assert "pw-tls" not in str(err.value)
+
+        asyncio.run(asyncio.wait_for(main(), 30))

@@ -1,5 +1,6 @@
 """The router's frontend feeds the request metrics however a request ends, and the HTTP
-server exposes them on an open `/metrics` route (no workers: the flow is scripted)."""
+server exposes them on `/metrics`, behind the API's tokens or its own (no workers: the flow
+is scripted)."""
 
 from __future__ import annotations
 
@@ -99,24 +100,35 @@ def test_client_leaving_early_counts_cancelled(tokenizer):
     assert count(f, "pdserve_requests_inflight") == 0
 
 
-def test_metrics_route_is_open_while_the_api_needs_a_token(tokenizer):
+def test_metrics_route_follows_the_api_auth_unless_it_has_tokens_of_its_own(tokenizer):
     f = frontend(tokenizer, [])
     model = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
 
+    async def get(s, address, path, token=None):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with s.get(f"http://{address}{path}", headers=headers) as r:
+            return r.status, r.headers.get("Content-Type", ""), await r.text()
+
     async def main():
-        server = OpenAIServer(f, model, HttpConfig(port=0, auth_tokens=("secret",)),
-                              lambda: True, metrics=f.metrics.registry)
-        address = await server.start()
+        api = OpenAIServer(f, model, HttpConfig(port=0, auth_tokens=("secret",)),
+                           lambda: True, metrics=f.metrics.registry)
+        own = OpenAIServer(f, model, HttpConfig(port=0, auth_tokens=("secret",),
+                                                metrics_tokens=("scrape",)),
+                           lambda: True, metrics=f.metrics.registry)
+        a, b = await api.start(), await own.start()
         try:
             async with aiohttp.ClientSession() as s:
-                async with s.get(f"http://{address}/v1/models") as r:
-                    assert r.status == 401
-                async with s.get(f"http://{address}/metrics") as r:
-                    assert r.status == 200
-                    assert r.headers["Content-Type"].startswith("text/plain")
-                    return await r.text()
+                assert (await get(s, a, "/v1/models"))[0] == 401
+                assert (await get(s, a, "/metrics"))[0] == 401
+                assert (await get(s, a, "/health"))[0] == 200
+                assert (await get(s, b, "/metrics", "secret"))[0] == 401
+                assert (await get(s, b, "/metrics", "scrape"))[0] == 200
+                status, kind, text = await get(s, a, "/metrics", "secret")
+                assert status == 200 and kind.startswith("text/plain")
+                return text
         finally:
-            await server.stop()
+            await api.stop()
+            await own.stop()
 
     names = {fam.name for fam in text_string_to_metric_families(asyncio.run(main()))}
     assert {"pdserve_requests", "pdserve_request_ttft_seconds"} <= names

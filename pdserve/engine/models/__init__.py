@@ -1,9 +1,19 @@
-"""Model registry: architecture family -> module class (all Llama-shaped today)."""
+"""Model registry: architecture family -> module class."""
 
 from __future__ import annotations
 
 from pdserve.engine.models.llama import LlamaForCausalLM
+from pdserve.engine.models.moe import MoEForCausalLM
+from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_CLASSES = {"llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": LlamaForCausalLM}
+MODEL_CLASSES = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": Qwen3ForCausalLM,
+    "mixtral": MoEForCausalLM,
+    "qwen2_moe": MoEForCausalLM,
+    "qwen3_moe": MoEForCausalLM,
+}
 
-__all__ = ["MODEL_CLASSES", "LlamaForCausalLM"]
+__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "MoEForCausalLM", "Qwen3ForCausalLM"]

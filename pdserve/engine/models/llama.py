@@ -3,6 +3,9 @@
 Layers are plain `nn.Module`s over a flat token batch ([T, hidden]); attention reads and writes
 the paged KV cache through the backend. `load_weights` maps Hugging Face parameter names onto
 the fused QKV / gate-up projections and lets each TP layer take its own shard.
+
+Other families reuse it by overriding `make_layer` (their attention or MLP) and
+`param_target` (their checkpoint names): `qwen3.py` (q/k norms), `moe.py` (expert MLPs).
 """
 
 from __future__ import annotations
@@ -55,16 +58,20 @@ class Attention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project(x)
         q, k = self.rotary(positions, q, k)
         backend.write_kv(cache, k, v, meta)
         out = backend.attend(q, cache, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(t, q_size))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H, D], k and v [T, KVH, D], before rotary."""
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(t, self.num_heads, self.head_dim),
+                k.view(t, self.num_kv_heads, self.head_dim),
+                v.view(t, self.num_kv_heads, self.head_dim))
 
 
 class MLP(nn.Module):
@@ -81,13 +88,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp: ParallelContext,
-                 rotary: RotaryEmbedding) -> None:
+    """Pre-norm residual block around an attention module and an MLP (dense or MoE)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, self_attn: nn.Module,
+                 mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype, tp, rotary)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype, tp)
+        self.mlp = mlp
 
     def forward(self, positions, x, cache, meta, backend):
         x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta, backend)
@@ -103,12 +112,17 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
                                  max_positions or cfg.max_position_embeddings)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, tp, rotary)
-                                    for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, cfg, dtype, tp, rotary)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_layer(self, index: int, cfg: ModelConfig, dtype: torch.dtype, tp: ParallelContext,
+                   rotary: RotaryEmbedding) -> nn.Module:
+        """Decoder layer `index`; other families override the attention or the MLP."""
+        return DecoderLayer(cfg, dtype, Attention(cfg, dtype, tp, rotary), MLP(cfg, dtype, tp))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -135,11 +149,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue
-            target, shard = name, None
-            for fused, part, shard_id in _STACKED:
-                if f".{part}." in name:
-                    target, shard = name.replace(part, fused), shard_id
-                    break
+            target, shard = self.param_target(name)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the model")
@@ -151,3 +161,11 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor.to(param.dtype), shard)
             loaded.add(target)
         return loaded
+
+    def param_target(self, name: str) -> tuple[str, object]:
+        """(our parameter, shard id for its weight_loader) of checkpoint tensor `name`
+        (without the `model.` prefix): q/k/v into qkv_proj, gate/up into gate_up_proj."""
+        for fused, part, shard_id in _STACKED:
+            if f".{part}." in name:
+                return name.replace(part, fused), shard_id
+        return name, None

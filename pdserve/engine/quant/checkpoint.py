@@ -22,7 +22,9 @@ from pathlib import Path
 import torch
 
 from pdserve.engine.layers.linear import LinearBase
+from pdserve.engine.layers.moe import FusedExperts
 from pdserve.engine.quant.fp8 import Fp8LinearMethod
+from pdserve.engine.quant.fp8_experts import Fp8ExpertsMethod
 
 SCALE_SUFFIX = ".weight_scale"
 _STATIC_SCALE_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
@@ -70,14 +72,19 @@ def _checkpoint_quant_config(model_dir: Path) -> dict | None:
 
 
 def install_quantization(model: torch.nn.Module, scheme: QuantScheme) -> int:
-    """Give every linear layer the scheme's method (before loading); returns the count."""
+    """Give every linear layer and every MoE experts layer the scheme's method (before
+    loading); returns the count."""
     count = 0
     for module in model.modules():
         if isinstance(module, LinearBase):
             method = Fp8LinearMethod(serialized=scheme.serialized)
-            module.method = method
-            method.prepare(module)
-            count += 1
+        elif isinstance(module, FusedExperts):
+            method = Fp8ExpertsMethod(serialized=scheme.serialized)
+        else:
+            continue
+        module.method = method
+        method.prepare(module)
+        count += 1
     return count
 
 
