@@ -65,8 +65,9 @@ def test_decode_worker_sigterm_finishes_its_streams(tiny_llama, tmp_path, expect
         victim = cluster.workers("decode")[0]
 
         async def sigterm():
+            running = worker_stats(victim.info["address"]).num_running  # what it drains
             victim.proc.send_signal(signal.SIGTERM)
-            return worker_stats(victim.info["address"]).num_running  # still serving them
+            return running
 
         outcomes, _, running = asyncio.run(
             signal_once_streaming(cluster.address, REQUESTS, sigterm))

@@ -15,7 +15,7 @@ from pdserve.engine import LLM
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.supervisor import RestartPolicy
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, wait_idle, worker_stats
+from tests.helpers.cluster import TEST_SECRET, eventually, wait_idle, worker_stats
 from tests.helpers.engine import greedy_ids, random_prompts
 from tests.helpers.load import greedy_request, run_load
 
@@ -31,7 +31,8 @@ def _steps(address: str) -> float:
 def test_killed_processes_come_back_and_the_cluster_keeps_serving(tiny_llama, tmp_path):
     spec = ClusterSpec(model=str(tiny_llama), port=0, num_prefill=1, num_decode=2,
                        threads_per_worker=1, worker_args=("--dtype", "float32"),
-                       log_dir=str(tmp_path / "logs"), env={"OMP_NUM_THREADS": "1"})
+                       log_dir=str(tmp_path / "logs"), env={"OMP_NUM_THREADS": "1"},
+                       cluster_secret=TEST_SECRET)
     # A first restart 3 s after the exit (not 0.5 s): a window to see the cluster serve
     # while the process is gone.
     cluster = LocalCluster(spec).start(supervise=True, restart=RestartPolicy(3.0))
