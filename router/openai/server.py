@@ -3,10 +3,11 @@
 Owns the routes, bearer-token auth (the same tokens as the gRPC API; `/health` stays open), the
 body size limit and read timeouts, and turning every failure into an OpenAI error body:
 `ApiError`s, validation `RequestError`s, aiohttp's own HTTP errors (unknown route, wrong
-method, body too large) and, as a 500, anything unexpected.
+method, body too large; malformed HTTP in `connection.py`) and, as a 500, anything
+unexpected.
 
 Slow clients: a connection whose first request line and headers are not all there within
-`header_timeout_s` of it opening is answered 408 and closed (`http_timeouts.HeadTimeout`; a
+`header_timeout_s` of it opening is answered 408 and closed (`connection.HeadTimeout`; a
 kept-alive connection short of its next head is closed `2 × header_timeout_s` after its last
 response); a body not all there within `body_timeout_s` of the headers is a 408
 (`generation.read_json`).
@@ -41,7 +42,7 @@ from router.openai.errors import (
     unauthenticated,
 )
 from router.openai.generation import ApiContext
-from router.openai.http_timeouts import HeadTimeout
+from router.openai.connection import connection_protocol
 from router.openai.responses import model_json, models_json
 from router.openai.schemas import ServedModel
 
@@ -110,7 +111,7 @@ class OpenAIServer:
         # Our own listener instead of web.TCPSite: every connection's protocol is wrapped in
         # HeadTimeout. TLS wraps the transport below it, so the timer sees plaintext.
         self._site = await asyncio.get_running_loop().create_server(
-            lambda: HeadTimeout(server(), timeout), self.config.host, self.config.port,
+            lambda: connection_protocol(server, timeout), self.config.host, self.config.port,
             ssl=self.config.ssl_context, reuse_address=True)
         port = self._site.sockets[0].getsockname()[1]
         self.address = f"{self.config.host}:{port}"

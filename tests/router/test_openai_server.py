@@ -318,3 +318,24 @@ def test_router_flags_configure_the_http_api(monkeypatch):
     _, http = parse([*base, "--http-port", "0", "--http-host", "127.0.0.1"])
     assert (http.host, http.port) == ("127.0.0.1", 0)
     assert parse([*base, "--http-port", "-1"])[1] is None
+
+
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 10000 + b"\r\n\r\n",
+])
+def test_malformed_http_is_an_openai_shaped_400(tokenizer, raw):
+    async def scenario(s, u, f):
+        reader, writer = await asyncio.open_connection(*u[len("http://"):].split(":"))
+        writer.write(raw)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return data
+
+    data, fe = serve(tokenizer, scenario=scenario)
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.split(b" ")[1] == b"400"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error" and fe.requests == []

@@ -1,4 +1,10 @@
-"""A deadline on a connection's first request head (request line and headers), for aiohttp.
+"""A connection before its requests reach the app: a deadline on the first request head, and
+OpenAI-shaped answers to malformed HTTP. aiohttp does neither on its own.
+
+`connection_protocol(server, timeout_s)` builds the protocol of one connection: aiohttp's
+request handler, its HTTP-level errors (a bad request line, header, chunk size, a line too
+long) answered as `{"error": {...}}` JSON instead of plain text (`JsonErrorHandler`), wrapped
+in `HeadTimeout`.
 
 aiohttp has no head timeout: a client that trickles its headers holds a connection forever.
 `HeadTimeout` wraps the protocol aiohttp builds for a connection and passes everything
@@ -15,8 +21,40 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+from http import HTTPStatus
 
+from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+
+log = logging.getLogger(__name__)
 HEAD_END = b"\r\n\r\n"
+
+
+def connection_protocol(server: web.Server, timeout_s: float) -> asyncio.Protocol:
+    handler = server()
+    handler.__class__ = JsonErrorHandler  # same layout (no slots of its own), one method more
+    return HeadTimeout(handler, timeout_s)
+
+
+class JsonErrorHandler(RequestHandler):
+    """aiohttp's handler, with HTTP-level errors as OpenAI error bodies (logged briefly: a
+    client's malformed request is not a server fault)."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("response already started; cannot send an error")
+        what = (message or HTTPStatus(status).phrase).strip().splitlines()[0]
+        log.info("malformed HTTP request from %s: %s", request.remote, what)
+        body = {"error": {"message": f"malformed HTTP request: {what}",
+                          "type": "invalid_request_error" if status < 500 else "server_error",
+                          "param": None, "code": None}}
+        resp = web.json_response(body, status=status)
+        resp.force_close()
+        return resp
 
 
 def _response_408(timeout_s: float) -> bytes:
