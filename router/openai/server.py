@@ -34,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
 from router.openai import chat, completions, sse
+from router.openai.connection import connection_protocol
 from router.openai.errors import (
     ApiError,
     RequestError,
@@ -42,7 +43,6 @@ from router.openai.errors import (
     unauthenticated,
 )
 from router.openai.generation import ApiContext
-from router.openai.connection import connection_protocol
 from router.openai.responses import model_json, models_json
 from router.openai.schemas import ServedModel
 
