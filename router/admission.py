@@ -16,8 +16,9 @@ When the request would start (continuous batching, FCFS; the worker's measured s
 `StepTime`, every request assumed to run to its max_tokens, so the estimate is an upper bound):
 
     prefill   = best prefill worker: ceil((queued + prompt) / step budget) steps of budget tokens
+                (queued: its stats, or what this router admitted and has not seen prefilled)
     waves     = ceil((occupancy - slots + 1) / slots)       0 while a slot is free
-    start     = prefill + waves × mean_remaining × step(slots)
+    start     = max(prefill, waves × mean_remaining × step(slots))   (both go on at once)
     finish    = start + max_tokens × step(min(occupancy + 1, slots))
 
 A worker takes the request when its queue has room and either a slot is free now, or the request
@@ -156,7 +157,7 @@ def estimate(w: DecodeLoad, size: RequestSize, prefill_s: float) -> tuple[float,
     assert w.step is not None
     n = max(slots(w, size), 1)
     waves = max(math.ceil((w.occupancy - n + 1) / n), 0)
-    start = prefill_s + waves * w.mean_remaining * w.step.seconds(n)
+    start = max(prefill_s, waves * w.mean_remaining * w.step.seconds(n))
     finish = start + size.max_tokens * w.step.seconds(min(w.occupancy + 1, n))
     return start, finish
 

@@ -81,6 +81,9 @@ class Frontend:
         self.accepting = True  # False once shutting down: new requests get UNAVAILABLE
         self._remaining: dict[str, int] = {}  # output tokens each request may still produce
         self._remaining_sum = 0
+        # Prompt tokens of admitted requests sent to prefill workers and not prefilled yet
+        # (no first token): the prefill queue the workers' stats do not show yet.
+        self._prefilling: dict[str, int] = {}
 
     async def generate(self, req: ValidRequest, timeout_s: float | None
                        ) -> AsyncIterator[OutputChunk]:
@@ -100,11 +103,12 @@ class Frontend:
         self.inflight += 1
         max_out = self._max_out(req)
         try:
-            allowed = self._admit(req, max_out, timeout)
+            allowed = self._admit(req, max_out, timeout, rid)
             self._track(rid, max_out)
             async for ev in self.flow.run(rid, req, timeout, FlowTimings(),
                                           decode_allowed=allowed):
                 if isinstance(ev, TokenEvent):
+                    self._prefilling.pop(rid, None)
                     self._track(rid, -len(ev.token_ids))
                     sent += len(ev.token_ids)
                     trace.on_tokens(len(ev.token_ids))
@@ -126,13 +130,14 @@ class Frontend:
         finally:
             self.inflight -= 1
             self._track(rid, None)
+            self._prefilling.pop(rid, None)
 
     # -- admission -------------------------------------------------------------------------
     def _max_out(self, req: ValidRequest) -> int:
         room = self.limits.max_model_len - len(req.prompt_token_ids)
         return max(min(req.params.max_tokens, room), 1)
 
-    def _admit(self, req: ValidRequest, max_out: int, timeout_s: float
+    def _admit(self, req: ValidRequest, max_out: int, timeout_s: float, rid: str
                ) -> frozenset[str] | None:
         """The decode workers that may take the request; `Overloaded` if none may. None when
         there is none at all: the flow answers that (UNAVAILABLE, retryable)."""
@@ -145,10 +150,14 @@ class Frontend:
         size = admission.RequestSize(n_prompt, max_out, timeout_s, remote)
         mean = self._remaining_sum / len(self._remaining) if self._remaining else max_out
         loads = [_decode_load(i, w, mean) for i, w in enumerate(healthy)]
-        pre = [_prefill_load(w, n_prompt) for w in self.prefill.healthy()]
+        prefill = self.prefill.healthy()
+        pending = sum(self._prefilling.values()) / max(len(prefill), 1)  # the flow spreads it
+        pre = [_prefill_load(w, pending) for w in prefill]
         verdict = admission.decide(loads, pre, size, self.config.admission)
         if not verdict.admitted:
             raise Overloaded(f"over capacity: {verdict.reason}", verdict.retry_after_s)
+        if remote:
+            self._prefilling[rid] = n_prompt
         return frozenset(healthy[i].address for i in verdict.workers)
 
     def _track(self, rid: str, delta: int | None) -> None:
@@ -179,8 +188,10 @@ def _decode_load(i: int, w: WorkerHandle, mean_remaining: float) -> admission.De
         mean_remaining=mean_remaining, step=_step(s))
 
 
-def _prefill_load(w: WorkerHandle, prompt_tokens: int) -> admission.PrefillLoad:
+def _prefill_load(w: WorkerHandle, pending_tokens: float) -> admission.PrefillLoad:
+    """`pending_tokens`: this worker's share of what the router admitted and has not seen
+    prefilled (its stats lag by up to a poll period)."""
     s, info = w.stats, w.info
-    queued = max(int(s.queued_prefill_tokens), w.inflight * prompt_tokens)
+    queued = max(int(s.queued_prefill_tokens), int(pending_tokens))
     budget = info.max_num_batched_tokens if info is not None else 0
     return admission.PrefillLoad(queued, budget or 1024, _step(s))

@@ -76,10 +76,14 @@ def test_only_the_workers_that_can_take_it_are_named():
 def test_prefill_queue_delays_the_start():
     w = worker(occupancy=8)
     prefill = [PrefillLoad(queued_tokens=100_000, step_budget=1000, step=STEP)]
-    _, finish_alone = estimate(w, size(remote=True), 0.0)
-    # 101 steps of 1000 tokens: ~102 s before the first token.
-    assert not decide([w], prefill, size(deadline=finish_alone + 60, remote=True)).admitted
-    assert decide([w], prefill, size(deadline=finish_alone + 200, remote=True)).admitted
+    # 101 steps of 1000 tokens: 1.01 s fixed + 101 s per token, before the first token.
+    pre = 101 * STEP.base_s + 100_020 * STEP.per_token_s
+    start, finish = estimate(w, size(remote=True), pre)
+    assert start == pytest.approx(pre)  # longer than the wait for a slot: it decides
+    assert not decide([w], prefill, size(deadline=finish, remote=True)).admitted
+    assert decide([w], prefill, size(deadline=finish / 0.9 + 1, remote=True)).admitted
+    # Prefilled by the decode worker itself: the prefill queue does not count.
+    assert decide([w], prefill, size(deadline=finish, remote=False)).admitted
 
 
 def test_refusal_retry_hint_is_clamped():
