@@ -21,11 +21,12 @@ When the request would start (continuous batching, FCFS; the worker's measured s
     start     = max(prefill, waves × mean_remaining × step(slots))   (both go on at once)
     finish    = start + max_tokens × step(min(occupancy + 1, slots))
 
-A worker takes the request when its queue has room and either a slot is free now, or the request
-finishes before `deadline × (1 - margin)`: a request that would have to queue and cannot finish
-in time is refused at once, instead of taking capacity and ending in DEADLINE_EXCEEDED. One that
-can start at once is always taken (if it then runs past its deadline, that is its own size, not
-load). Until a worker has a measured step time it takes only what it can start at once.
+A worker takes the request when its queue has room and the request finishes before
+`deadline × (1 - margin)`: one that would wait in a queue, or make the batch too slow, and
+cannot finish in time is refused at once, instead of taking capacity and ending in
+DEADLINE_EXCEEDED. One that could not finish in time even alone on an idle worker is taken if a
+slot is free (that is its own size, not load: it ends DEADLINE_EXCEEDED as it always would).
+Until a worker has a measured step time it takes only what it can start at once.
 
 The retry hint is the shortest time after which some worker would take it: for a full queue,
 until one request there finishes; for a late finish, how late it would be.
@@ -33,6 +34,7 @@ until one request there finishes; for a late finish, how late it would be.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -169,11 +171,12 @@ def decide(loads: Sequence[DecodeLoad], prefill: Sequence[PrefillLoad], size: Re
         return Admission(tuple(w.index for w in loads))
     budget = size.deadline_s * (1.0 - config.margin)
     pre = prefill_wait_s(prefill, size)
+    pre_alone = prefill_wait_s([dataclasses.replace(p, queued_tokens=0) for p in prefill], size)
     taken: list[int] = []
     retry = math.inf
     reasons: list[str] = []
     for w in loads:
-        ok, wait, why = _judge(w, size, config, budget, pre)
+        ok, wait, why = _judge(w, size, config, budget, pre, pre_alone)
         if ok:
             taken.append(w.index)
         else:
@@ -186,7 +189,7 @@ def decide(loads: Sequence[DecodeLoad], prefill: Sequence[PrefillLoad], size: Re
 
 
 def _judge(w: DecodeLoad, size: RequestSize, config: AdmissionConfig, budget: float,
-           pre: float) -> tuple[bool, float, str]:
+           pre: float, pre_alone: float) -> tuple[bool, float, str]:
     """(takes it, retry hint if not, why not) for one decode worker."""
     n = slots(w, size)
     if n < 1:
@@ -198,13 +201,13 @@ def _judge(w: DecodeLoad, size: RequestSize, config: AdmissionConfig, budget: fl
     next_free = max(w.mean_remaining, 1.0) * step_n / n if w.step is not None else 1.0
     if w.occupancy >= queue_limit(w, size, config):
         return False, next_free, f"decode queue full ({w.occupancy} requests)"
-    if free_slot:
-        return True, 0.0, ""
     if w.step is None:
-        return False, next_free, "decode worker busy (speed not measured yet)"
+        return free_slot, next_free, "decode worker busy (speed not measured yet)"
     _, finish = estimate(w, size, pre)
     if finish <= budget:
         return True, 0.0, ""
+    if free_slot and pre_alone + size.max_tokens * w.step.seconds(1) > budget:
+        return True, 0.0, ""  # too big for its deadline even alone: its size, not the load
     return False, max(finish - budget, next_free), (
         f"cannot finish before its deadline (estimated {finish:.1f}s, "
         f"deadline in {size.deadline_s:.1f}s)")

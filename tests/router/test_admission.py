@@ -39,9 +39,18 @@ def test_slots_are_bounded_by_the_batch_and_by_kv_blocks():
     assert queue_limit(worker(max_seqs=8, blocks=30), size(), AdmissionConfig()) == 15
 
 
-def test_a_free_slot_admits_at_once_whatever_the_deadline():
+def test_a_free_slot_takes_what_fits_its_deadline_at_that_batch():
+    w = worker(occupancy=7)  # it would make the batch 8
+    _, finish = estimate(w, size(), 0.0)
+    assert finish == pytest.approx(64 * STEP.seconds(8))
+    assert decide([w], [], size(deadline=finish / 0.9 + 0.01)).admitted
+    assert not decide([worker(occupancy=7, max_seqs=64)], [], size(deadline=finish)).admitted
+
+
+def test_a_request_too_big_for_its_deadline_even_alone_still_gets_a_free_slot():
     verdict = decide([worker(occupancy=7)], [], size(deadline=0.001))
-    assert verdict.admitted and verdict.workers == (0,)
+    assert verdict.admitted and verdict.workers == (0,)  # DEADLINE_EXCEEDED, as ever
+    assert not decide([worker(occupancy=8)], [], size(deadline=0.001)).admitted
 
 
 def test_a_queued_request_is_admitted_only_if_it_can_finish_in_time():
@@ -51,6 +60,7 @@ def test_a_queued_request_is_admitted_only_if_it_can_finish_in_time():
     assert finish == pytest.approx(start + 64 * STEP.seconds(8))
     assert decide([w], [], size(deadline=finish / 0.9 + 0.01)).admitted
     late = decide([w], [], size(deadline=finish))  # inside the deadline, not inside the margin
+    assert late.workers == ()
     assert not late.admitted and "deadline" in late.reason
     assert late.retry_after_s > 0
 
