@@ -28,6 +28,9 @@ DEADLINE_EXCEEDED. One that could not finish in time even alone on an idle worke
 slot is free (that is its own size, not load: it ends DEADLINE_EXCEEDED as it always would).
 Until a worker has a measured step time it takes only what it can start at once.
 
+Step times are the workers' own models (`WorkerStats.step_model`) scaled by `Slowdown`: how
+much slower the router's streams actually get their tokens than those models predict.
+
 The retry hint is the shortest time after which some worker would take it: for a full queue,
 until one request there finishes; for a late finish, how late it would be.
 """
@@ -52,6 +55,28 @@ class StepTime:
 
     def seconds(self, tokens: float) -> float:
         return self.base_s + self.per_token_s * max(tokens, 1.0)
+
+
+@dataclass
+class Slowdown:
+    """How much slower tokens reach this router than the workers' step models predict: what
+    the models cannot see (the router's own loop, the network, a CPU shared with other
+    processes). An exponentially weighted mean of observed / predicted time per token; the
+    step times admission uses are scaled by it."""
+
+    alpha: float = 0.02
+    factor: float = 1.0
+
+    def observe(self, observed_s: float, predicted_s: float) -> None:
+        if observed_s <= 0.0 or predicted_s <= 0.0:
+            return
+        ratio = min(max(observed_s / predicted_s, 0.25), 20.0)  # one stall must not rule
+        self.factor += self.alpha * (ratio - self.factor)
+
+    def scale(self, step: StepTime | None) -> StepTime | None:
+        if step is None:
+            return None
+        return StepTime(step.base_s * self.factor, step.per_token_s * self.factor)
 
 
 @dataclass(frozen=True)

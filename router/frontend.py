@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -84,6 +85,8 @@ class Frontend:
         # Prompt tokens of admitted requests sent to prefill workers and not prefilled yet
         # (no first token): the prefill queue the workers' stats do not show yet.
         self._prefilling: dict[str, int] = {}
+        self.slowdown = admission.Slowdown()  # streams' time per token vs the step models
+        self._last_token: dict[str, float] = {}
 
     async def generate(self, req: ValidRequest, timeout_s: float | None
                        ) -> AsyncIterator[OutputChunk]:
@@ -109,6 +112,7 @@ class Frontend:
                                           decode_allowed=allowed):
                 if isinstance(ev, TokenEvent):
                     self._prefilling.pop(rid, None)
+                    self._observe_itl(rid, len(ev.token_ids))
                     self._track(rid, -len(ev.token_ids))
                     sent += len(ev.token_ids)
                     trace.on_tokens(len(ev.token_ids))
@@ -131,6 +135,7 @@ class Frontend:
             self.inflight -= 1
             self._track(rid, None)
             self._prefilling.pop(rid, None)
+            self._last_token.pop(rid, None)
 
     # -- admission -------------------------------------------------------------------------
     def _max_out(self, req: ValidRequest) -> int:
@@ -149,16 +154,35 @@ class Frontend:
                                          bool(self.prefill.healthy()))
         size = admission.RequestSize(n_prompt, max_out, timeout_s, remote)
         mean = self._remaining_sum / len(self._remaining) if self._remaining else max_out
-        loads = [_decode_load(i, w, mean) for i, w in enumerate(healthy)]
+        loads = [_decode_load(i, w, mean, self.slowdown) for i, w in enumerate(healthy)]
         prefill = self.prefill.healthy()
         pending = sum(self._prefilling.values()) / max(len(prefill), 1)  # the flow spreads it
-        pre = [_prefill_load(w, pending) for w in prefill]
+        pre = [_prefill_load(w, pending, self.slowdown) for w in prefill]
         verdict = admission.decide(loads, pre, size, self.config.admission)
         if not verdict.admitted:
             raise Overloaded(f"over capacity: {verdict.reason}", verdict.retry_after_s)
         if remote:
             self._prefilling[rid] = n_prompt
         return frozenset(healthy[i].address for i in verdict.workers)
+
+    def _observe_itl(self, rid: str, tokens: int) -> None:
+        """Time per token this stream saw since its previous tokens (not since the first:
+        that gap holds the KV transfer), against the decode pool's step models."""
+        now = time.monotonic()
+        last, self._last_token[rid] = self._last_token.get(rid), now
+        if last is None or tokens < 1:
+            return
+        predicted = [m.seconds(min(max(occ, 1), seqs or occ or 1))
+                     for m, occ, seqs in self._decode_models()]
+        if predicted:
+            self.slowdown.observe((now - last) / tokens, sum(predicted) / len(predicted))
+
+    def _decode_models(self):
+        for w in self.decode.healthy():
+            step = _step(w.stats)
+            if step is not None:
+                occ = max(int(w.stats.num_running + w.stats.num_waiting), w.inflight)
+                yield step, occ, w.info.max_num_seqs if w.info is not None else 0
 
     def _track(self, rid: str, delta: int | None) -> None:
         """The ledger of output tokens each request may still produce (None: it ended)."""
@@ -178,20 +202,22 @@ def _step(stats) -> admission.StepTime | None:
     return admission.StepTime(m.step_base_s, m.step_per_token_s) if m.samples else None
 
 
-def _decode_load(i: int, w: WorkerHandle, mean_remaining: float) -> admission.DecodeLoad:
+def _decode_load(i: int, w: WorkerHandle, mean_remaining: float,
+                 slowdown: admission.Slowdown) -> admission.DecodeLoad:
     s, info = w.stats, w.info
     return admission.DecodeLoad(
         index=i, max_seqs=info.max_num_seqs if info is not None else 0,
         kv_blocks_total=int(s.kv_blocks_total),
         block_size=(info.block_size if info is not None else 0) or 16,
         occupancy=max(int(s.num_running + s.num_waiting), w.inflight),
-        mean_remaining=mean_remaining, step=_step(s))
+        mean_remaining=mean_remaining, step=slowdown.scale(_step(s)))
 
 
-def _prefill_load(w: WorkerHandle, pending_tokens: float) -> admission.PrefillLoad:
+def _prefill_load(w: WorkerHandle, pending_tokens: float,
+                  slowdown: admission.Slowdown) -> admission.PrefillLoad:
     """`pending_tokens`: this worker's share of what the router admitted and has not seen
     prefilled (its stats lag by up to a poll period)."""
     s, info = w.stats, w.info
     queued = max(int(s.queued_prefill_tokens), int(pending_tokens))
     budget = info.max_num_batched_tokens if info is not None else 0
-    return admission.PrefillLoad(queued, budget or 1024, _step(s))
+    return admission.PrefillLoad(queued, budget or 1024, slowdown.scale(_step(s)))

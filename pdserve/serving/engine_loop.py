@@ -11,8 +11,9 @@ When it has no work, the engine thread spends the pause on `engine.idle_tick()` 
 next in line for eviction are copied to the host tier ahead of time) until that reports
 nothing left, and only then blocks waiting for commands.
 
-Every step is timed into `meter` (the worker's speed model, `step_meter`), which `start()`
-first calibrates with a few dummy steps unless told not to.
+Every step is timed into `meter` (the worker's speed model, `step_meter`), from the end of the
+previous step while the loop stays busy (so the time between steps counts too), which
+`start()` first calibrates with a few dummy steps unless told not to.
 """
 
 from __future__ import annotations
@@ -102,11 +103,14 @@ class EngineLoop:
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        last_end = None  # end of the previous step, while the loop stays busy
         try:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
                 stalled = not idle and self.engine.scheduler.stalled_on_io
+                if idle or stalled:
+                    last_end = None  # a pause is not a step's cost
                 # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
                 self._drain_commands(block=(idle and not worked) or stalled,
                                      timeout_s=IO_STALL_WAIT_S if stalled else 0.5)
@@ -116,7 +120,10 @@ class EngineLoop:
                 queued = self.stats["queued_prefill_tokens"]
                 t0 = time.perf_counter()
                 outputs = self._step_fn(self.engine)
-                elapsed = time.perf_counter() - t0
+                end = time.perf_counter()
+                # What a request waits per step: the step and, while busy, the commands and
+                # bookkeeping between steps (GIL shared with the server's threads).
+                elapsed, last_end = end - (last_end if last_end is not None else t0), end
                 self.steps += 1
                 self.stats = self.engine.stats()
                 # Tokens computed: prefill progress plus the tokens sampled (decode).

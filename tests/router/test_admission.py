@@ -10,6 +10,7 @@ from router.admission import (
     DecodeLoad,
     PrefillLoad,
     RequestSize,
+    Slowdown,
     StepTime,
     capacity,
     decide,
@@ -130,3 +131,15 @@ def test_burst_admits_what_the_worker_finishes_by_the_deadline():
     w = worker(occupancy=len(admitted), max_seqs=32, step=step)
     assert estimate(w, size(), 0.0)[1] > 120.0 * 0.9 or len(admitted) == queue_limit(
         w, size(), AdmissionConfig())
+
+
+def test_the_slowdown_follows_what_streams_see_and_scales_step_times():
+    slow = Slowdown(alpha=0.5)
+    assert slow.scale(STEP) == STEP
+    for _ in range(20):
+        slow.observe(observed_s=0.03, predicted_s=0.01)
+    assert slow.factor == pytest.approx(3.0, rel=1e-3)
+    assert slow.scale(STEP).seconds(8) == pytest.approx(3 * STEP.seconds(8), rel=1e-3)
+    slow.observe(observed_s=100.0, predicted_s=0.01)  # a stall counts, bounded
+    assert slow.factor <= 12.0
+    assert slow.scale(None) is None
