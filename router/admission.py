@@ -17,9 +17,12 @@ When the request would start (continuous batching, FCFS; the worker's measured s
 
     prefill   = best prefill worker: ceil((queued + prompt) / step budget) steps of budget tokens
                 (queued: its stats, or what this router admitted and has not seen prefilled)
-    waves     = ceil((occupancy - slots + 1) / slots)       0 while a slot is free
+    waves     = occupancy // slots              whole batches ahead of it (0: a slot is free)
     start     = max(prefill, waves × mean_remaining × step(slots))   (both go on at once)
-    finish    = start + max_tokens × step(min(occupancy + 1, slots))
+    finish    = start + max_tokens × step(occupancy % slots + 1)     (the batch it runs in)
+
+Requests decided one after another see the batch each one makes: once one would finish too
+late, every later one in that batch would too, so what is admitted fits together.
 
 A worker takes the request when its queue has room and the request finishes before
 `deadline × (1 - margin)`: one that would wait in a queue, or make the batch too slow, and
@@ -183,9 +186,9 @@ def estimate(w: DecodeLoad, size: RequestSize, prefill_s: float) -> tuple[float,
     """(start, finish) seconds from now on worker `w` (requires `w.step`)."""
     assert w.step is not None
     n = max(slots(w, size), 1)
-    waves = max(math.ceil((w.occupancy - n + 1) / n), 0)
+    waves = w.occupancy // n
     start = max(prefill_s, waves * w.mean_remaining * w.step.seconds(n))
-    finish = start + size.max_tokens * w.step.seconds(min(w.occupancy + 1, n))
+    finish = start + size.max_tokens * w.step.seconds(w.occupancy % n + 1)
     return start, finish
 
 

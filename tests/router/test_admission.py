@@ -58,7 +58,9 @@ def test_a_queued_request_is_admitted_only_if_it_can_finish_in_time():
     w = worker(occupancy=8)  # every slot taken: it waits one wave of 64 tokens at batch 8
     start, finish = estimate(w, size(), 0.0)
     assert start == pytest.approx(64 * STEP.seconds(8))
-    assert finish == pytest.approx(start + 64 * STEP.seconds(8))
+    assert finish == pytest.approx(start + 64 * STEP.seconds(1))  # first of the next batch
+    assert estimate(worker(occupancy=13), size(), 0.0)[1] == pytest.approx(
+        start + 64 * STEP.seconds(6))  # sixth of it
     assert decide([w], [], size(deadline=finish / 0.9 + 0.01)).admitted
     late = decide([w], [], size(deadline=finish))  # inside the deadline, not inside the margin
     assert late.workers == ()
