@@ -42,6 +42,7 @@ import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -225,6 +226,7 @@ def load_row(row: str, a, model: Path, logs: Path, prompts) -> list[dict]:
         try:
             cap = capacity(cluster.address, prompts, max_tokens, deadline, a.capacity_concurrency)
             offered = 5 * cap if n is None else n
+            slowdown = router_gauge(cluster, "pdserve_router_admission_slowdown")
             outs = burst(cluster.address, prompts, offered, max_tokens, deadline)
         finally:
             cluster.stop()
@@ -234,9 +236,20 @@ def load_row(row: str, a, model: Path, logs: Path, prompts) -> list[dict]:
         refused = [o.end - o.start for o in outs if o.status == "RESOURCE_EXHAUSTED"]
         s.update(offered=offered, capacity=cap, completed_vs_capacity=ok / max(min(cap, offered),
                                                                               1),
-                 refusal_p99_s=percentile(sorted(refused), 0.99))
+                 refusal_p99_s=percentile(sorted(refused), 0.99), slowdown=slowdown)
         rows.append(s)
     return rows
+
+
+def router_gauge(cluster: LocalCluster, name: str) -> float | None:
+    """One gauge of the router's /metrics (None without an HTTP API)."""
+    if not cluster.http_address:
+        return None
+    with urllib.request.urlopen(f"http://{cluster.http_address}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
 
 
 def huge_prompt_row(model: Path, logs: Path) -> list[dict]:
@@ -345,7 +358,7 @@ def main() -> None:
         results += huge_prompt_row(model, logs)
     print_table(results, ["row", "requests", "ok_pct", "failures", "wrong_outputs", "p99_s",
                           "p99_vs_no_fault", "recovery_s", "offered", "capacity",
-                          "completed_vs_capacity", "refusal_p99_s", "refused_in_s",
+                          "completed_vs_capacity", "refusal_p99_s", "slowdown", "refused_in_s",
                           "client_serialize_s", "health_p99_s", "small_request_s"])
     path = write_json(a.out, {"args": vars(a), "load_average": os.getloadavg(),
                               "rows": [dict(r) for r in results]})

@@ -86,7 +86,7 @@ class Frontend:
         # (no first token): the prefill queue the workers' stats do not show yet.
         self._prefilling: dict[str, int] = {}
         self.slowdown = admission.Slowdown()  # streams' time per token vs the step models
-        self._last_token: dict[str, float] = {}
+        self._last_token: dict[str, tuple[float, int]] = {}  # (when, events so far)
 
     async def generate(self, req: ValidRequest, timeout_s: float | None
                        ) -> AsyncIterator[OutputChunk]:
@@ -166,16 +166,19 @@ class Frontend:
         return frozenset(healthy[i].address for i in verdict.workers)
 
     def _observe_itl(self, rid: str, tokens: int) -> None:
-        """Time per token this stream saw since its previous tokens (not since the first:
-        that gap holds the KV transfer), against the decode pool's step models."""
+        """Time per token this stream saw since its previous tokens, against the decode
+        pool's step models. Not before its third event: the gap after the first token holds
+        the KV transfer and the wait for a batch slot, not decode steps."""
         now = time.monotonic()
-        last, self._last_token[rid] = self._last_token.get(rid), now
-        if last is None or tokens < 1:
+        last, events = self._last_token.get(rid, (0.0, 0))
+        self._last_token[rid] = (now, events + 1)
+        if events < 2 or tokens < 1:
             return
         predicted = [m.seconds(min(max(occ, 1), seqs or occ or 1))
                      for m, occ, seqs in self._decode_models()]
         if predicted:
             self.slowdown.observe((now - last) / tokens, sum(predicted) / len(predicted))
+            self.metrics.admission_slowdown.set(self.slowdown.factor)
 
     def _decode_models(self):
         for w in self.decode.healthy():
