@@ -7,8 +7,9 @@ is far over capacity.
 
 Fault rows start a fresh supervised cluster (what `pdserve up` runs: a killed process is
 started again on its port) of 2 prefill + 2 decode workers, send `--requests` greedy requests
-through plain gRPC clients (no retries) at fixed concurrency, and inject the fault once 30% of
-them have completed:
+through plain gRPC clients (no retries; a client whose request failed waits --fail-pause, 0.1 s,
+before its next one, as a client with nothing to retry would) at fixed concurrency, and inject
+the fault once 30% of them have completed:
 
     decode-kill     SIGKILL one decode worker
     prefill-kill    SIGKILL one prefill worker
@@ -27,8 +28,8 @@ Load rows use 1 prefill + 1 decode worker (the `pdserve up` default):
 
 Per row: OK %, failures by status, OK outputs that differ from the single-process engine's
 (greedy), p99 latency of OK requests and its ratio to the same load without a fault (measured
-first, in the same run), and recovery time: from the fault to the end of the last failed
-request (0 when none failed). Prints a table; JSON to bench/results/chaos_bench.json.
+first, in the same run), recovery time: from the fault to the end of the last failed request
+(0 when none failed), and for a killed process the time until it served again (back_s). Prints a table; JSON to bench/results/chaos_bench.json.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import random
 import signal
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -93,8 +95,10 @@ async def one(stub, i: int, req: pb.GenerateRequest, timeout_s: float) -> Outcom
 
 
 async def closed_loop(address: str, reqs: list[pb.GenerateRequest], concurrency: int,
-                      timeout_s: float, on_done=None) -> list[Outcome]:
-    """Every request once, `concurrency` at a time; `on_done(n_done)` after each."""
+                      timeout_s: float, on_done=None, fail_pause_s: float = 0.0
+                      ) -> list[Outcome]:
+    """Every request once, `concurrency` at a time; `on_done(n_done)` after each; a failed
+    request holds its slot `fail_pause_s` longer."""
     async with grpc.aio.insecure_channel(address) as ch:
         stub = pb_grpc.PDServeStub(ch)
         sem, done = asyncio.Semaphore(concurrency), [0]
@@ -102,6 +106,8 @@ async def closed_loop(address: str, reqs: list[pb.GenerateRequest], concurrency:
         async def run(i, r):
             async with sem:
                 out = await one(stub, i, r, timeout_s)
+                if out.status != "OK":
+                    await asyncio.sleep(fail_pause_s)
             done[0] += 1
             if on_done is not None:
                 await on_done(done[0])
@@ -121,37 +127,60 @@ def start(model: Path, logs: Path, prefill: int, decode: int, router_args=()) ->
     return LocalCluster(spec).start(supervise=True)
 
 
-def inject(cluster: LocalCluster, row: str, stop_s: float) -> None:
+def inject(cluster: LocalCluster, row: str, stop_s: float):
+    """Inject the row's fault; returns the child killed (None for a stop)."""
     if row == "router-restart":
         cluster.router.proc.send_signal(signal.SIGKILL)
-        return
+        return cluster.router
     role = "decode" if row.startswith("decode") else "prefill"
     victim = cluster.workers(role)[0]
     if row == "decode-stop":
         victim.proc.send_signal(signal.SIGSTOP)
         asyncio.get_running_loop().call_later(stop_s, victim.proc.send_signal, signal.SIGCONT)
-    else:
-        victim.proc.send_signal(signal.SIGKILL)
+        return None
+    victim.proc.send_signal(signal.SIGKILL)
+    return victim
+
+
+def watch_back(child, fault_at: float, out: list) -> None:
+    """Record in `out` the seconds from the fault until `child` (respawned by the
+    supervisor) announced itself again."""
+    def poll():
+        end = fault_at + 300
+        while time.monotonic() < end:
+            if child.restarts > 0 and child.ready.is_set():
+                out.append(time.monotonic() - fault_at)
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=poll, daemon=True).start()
 
 
 def fault_row(row: str, a, model: Path, logs: Path, reqs, expected) -> dict:
     cluster = start(model, logs / row, 2, 2)
+    back: list[float] = []
     try:
         fault_at = [None]
 
         async def on_done(n: int) -> None:
             if fault_at[0] is None and n >= 0.3 * len(reqs):
                 fault_at[0] = time.monotonic()
-                inject(cluster, row, a.stop_s)
+                killed = inject(cluster, row, a.stop_s)
+                if killed is not None:
+                    watch_back(killed, fault_at[0], back)
 
         outs = asyncio.run(closed_loop(cluster.address, reqs, a.concurrency, a.timeout,
-                                       on_done))
+                                       on_done, a.fail_pause))
+        end = time.monotonic() + 120
+        while row != "decode-stop" and not back and time.monotonic() < end:
+            time.sleep(0.1)  # the load may end before the killed process is back
     finally:
         for c in cluster.children:  # a stopped worker must not outlive the row
             if c.proc.poll() is None:
                 c.proc.send_signal(signal.SIGCONT)
         cluster.stop()
-    return summarize(row, outs, expected, fault_at[0])
+    return {**summarize(row, outs, expected, fault_at[0]),
+            "back_s": back[0] if back else None}
 
 
 def baseline_row(a, model: Path, logs: Path, reqs, expected) -> dict:
@@ -327,6 +356,8 @@ def main() -> None:
     p.add_argument("--capacity-concurrency", type=int, default=128)
     p.add_argument("--burst-requests", type=int, default=300)
     p.add_argument("--stop-s", type=float, default=20.0)
+    p.add_argument("--fail-pause", type=float, default=0.1,
+                   help="fault rows: a client's pause after a failed request")
     p.add_argument("--out", default="bench/results/chaos_bench.json")
     a = p.parse_args()
     rows = [r for r in a.rows.split(",") if r]
@@ -357,7 +388,7 @@ def main() -> None:
     if "huge-prompt" in rows:
         results += huge_prompt_row(model, logs)
     print_table(results, ["row", "requests", "ok_pct", "failures", "wrong_outputs", "p99_s",
-                          "p99_vs_no_fault", "recovery_s", "offered", "capacity",
+                          "p99_vs_no_fault", "recovery_s", "back_s", "offered", "capacity",
                           "completed_vs_capacity", "refusal_p99_s", "slowdown", "refused_in_s",
                           "client_serialize_s", "health_p99_s", "small_request_s"])
     path = write_json(a.out, {"args": vars(a), "load_average": os.getloadavg(),
