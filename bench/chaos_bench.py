@@ -29,7 +29,8 @@ Load rows use 1 prefill + 1 decode worker (the `pdserve up` default):
 Per row: OK %, failures by status, OK outputs that differ from the single-process engine's
 (greedy), p99 latency of OK requests and its ratio to the same load without a fault (measured
 first, in the same run), recovery time: from the fault to the end of the last failed request
-(0 when none failed), and for a killed process the time until it served again (back_s). Prints a table; JSON to bench/results/chaos_bench.json.
+(0 when none failed), and for a killed process the time until it served again (back_s).
+Prints a table; JSON to bench/results/chaos_bench.json.
 """
 
 from __future__ import annotations

@@ -39,7 +39,6 @@ A short unmeasured conversation first opens the transfer pairs (D0->D1, P->D1).
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
@@ -54,6 +53,7 @@ import grpc  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
+from pdserve.engine.checkpoint import open_checkpoint  # noqa: E402
 from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
 from pdserve.proto import pb, worker_pb, worker_pb_grpc  # noqa: E402
 
@@ -129,7 +129,9 @@ def decode_remote(w: Workers, rid: str, prompt: list[int], max_tokens: int) -> T
         raise RuntimeError("decode worker skipped the handshake")
     target = worker_pb.KVTarget(endpoints=ready.ready.endpoints,
                                 block_ids=ready.ready.block_ids,
-                                skip_blocks=ready.ready.cached_blocks)
+                                skip_blocks=ready.ready.cached_blocks,
+                                lease_s=ready.ready.kv_lease_s,
+                                kv_ticket=ready.ready.kv_ticket)
     resp = w.p.Prefill(worker_pb.PrefillRequest(
         request_id=rid, prompt_token_ids=prompt, sampling=_sampling(max_tokens), seed=1,
         target=target, deadline_unix_s=time.time() + RPC_TIMEOUT_S), timeout=RPC_TIMEOUT_S)
@@ -184,10 +186,8 @@ def check(run: dict, i: int) -> list[str]:
 
 def block_bytes(model: Path, block_size: int, dtype_bytes: int = 4) -> int:
     """KV bytes of one block over all layers (K and V), as the transfer engine moves them."""
-    c = json.loads((model / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return (c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * block_size * head_dim
-            * dtype_bytes)
+    c = open_checkpoint(model).model_config
+    return c.num_layers * 2 * c.num_kv_heads * block_size * c.head_dim * dtype_bytes
 
 
 def summarise(runs: list[dict], bytes_per_block: int) -> tuple[list[dict], dict]:
@@ -219,8 +219,8 @@ def connect(cluster: LocalCluster, stack: list[grpc.Channel]) -> Workers:
     d0, d1 = (c.info["address"] for c in cluster.workers("decode"))
     p = cluster.workers("prefill")[0].info["address"]
     info = stub(d0).GetInfo(worker_pb.InfoRequest(), timeout=10)
-    model = json.loads((Path(cluster.spec.model) / "config.json").read_text())
-    return Workers(stub(d0), stub(d1), stub(p), d0, info.block_size, model["vocab_size"])
+    vocab = open_checkpoint(cluster.spec.model).model_config.vocab_size
+    return Workers(stub(d0), stub(d1), stub(p), d0, info.block_size, vocab)
 
 
 def measure(a: argparse.Namespace, logs: str) -> tuple[list[dict], int]:

@@ -1,6 +1,7 @@
 """Disaggregated vs colocated serving: same cores, same model, same workload.
 
-    python bench/disagg_vs_colocated.py [--rates 0.025,0.05,0.075] [--duration 60] [--cores 2]
+    python bench/disagg_vs_colocated.py [--model default|demo|PATH] [--rates 0.025,0.05,0.075]
+        [--duration 60] [--cores 2]
         [--long-len 2048] [--slo-ttft-ms 20000] [--slo-tpot-ms 200] [--output ...json]
 
 Two systems, each a router plus workers on this machine with the same total thread budget:
@@ -44,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
 from bench.common import print_table, write_json  # noqa: E402
+from pdserve.default_model import ensure_default_model  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
 from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
 from pdserve.loadgen.arrivals import ArrivalSpec  # noqa: E402
@@ -78,7 +80,9 @@ def systems(cores: int) -> tuple[System, System]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
+    p.add_argument("--model", default="default",
+                   help="checkpoint dir or .gguf; 'default': the real default model "
+                        "(SmolLM2-135M-Instruct); 'demo': the random demo model")
     p.add_argument("--rates", default="0.025,0.05,0.075",
                    help="long prompts per second, comma list")
     p.add_argument("--duration", type=float, default=60.0,
@@ -213,7 +217,8 @@ def plot(points: list[dict], path: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
-    model = a.model or str(ensure_demo_model())
+    model = {"default": lambda: str(ensure_default_model()),
+             "demo": lambda: str(ensure_demo_model())}.get(a.model, lambda: a.model)()
     slos = (Slo(SloMetric.TTFT, a.slo_ttft_ms), Slo(SloMetric.TPOT, a.slo_tpot_ms))
     points, by_kind = [], {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
 from pdserve.demo_model import ensure_demo_model, write_demo_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.checkpoint import open_checkpoint  # noqa: E402
 
 
 def hf_run(model, prompts: list[list[int]], max_new: list[int]) -> float:
@@ -65,8 +66,14 @@ def workload(batch: int, seed: int = 0):
 def throughput_rows(model_dir: Path, batch: int) -> list[dict]:
     import transformers
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     llm = LLM(str(model_dir), dtype="float32", enable_prefix_caching=False)
+    if open_checkpoint(model_dir).format == "gguf":  # transformers reads the same file
+        gguf = next(model_dir.glob("*.gguf")) if model_dir.is_dir() else model_dir
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir,
+                                                               dtype=torch.float32).eval()
     rows = []
     for b in (1, batch):
         prompts, max_new = workload(b)

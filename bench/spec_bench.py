@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.checkpoint import open_checkpoint  # noqa: E402
 from pdserve.tokenizer import Tokenizer  # noqa: E402
 
 K = 4
@@ -126,7 +127,7 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = Path(a.model) if a.model else ensure_demo_model()
-    tok = Tokenizer.from_pretrained(model_dir)
+    tok = open_checkpoint(model_dir).tokenizer()
     rows = run_rows(model_dir, [code_prompt(tok)], [128], list(CONFIGS), a.repeats)
     prompts, max_new = batch_workload(tok, a.batch, tok.vocab_size)
     rows += run_rows(model_dir, prompts, max_new, ["off", "ngram_adaptive"], a.repeats)

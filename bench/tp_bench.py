@@ -52,7 +52,8 @@ class _CountingSender:
     def __init__(self) -> None:
         self.bytes: dict[str, int] = {}
 
-    def send_layer(self, address, request_id, layer, block_ids, kv, head_start=0) -> None:
+    def send_layer(self, address, request_id, layer, block_ids, kv, head_start=0, lease_s=None,
+                   ticket=b"") -> None:
         self.bytes[address] = self.bytes.get(address, 0) + kv.numel() * kv.element_size()
 
 
@@ -64,7 +65,8 @@ def kv_bytes(prefill_tp: int, decode_tp: int, prompt_tokens: int) -> dict:
     layers, kv_heads, head_dim, bs = 12, 4, 64, 16
     blocks = -(-prompt_tokens // bs)
     endpoints = [(f"decode-rank-{r}", r, decode_tp) for r in range(decode_tp)]
-    send = BlockSend("r", endpoints, list(range(blocks)), list(range(blocks)), True)
+    send = BlockSend("r", endpoints, list(range(blocks)), list(range(blocks)), True, 60.0,
+                     b"t" * 16)
     total, pairs = 0, 0
     for rank in range(prefill_tp):
         local_heads = max(1, kv_heads // prefill_tp)

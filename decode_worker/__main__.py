@@ -1,4 +1,4 @@
-"""`python -m decode_worker --model DIR [--host H] [--port P] [--kv-port K] [--redis URL]`
+"""`python -m decode_worker [--model PATH] [--host H] [--port P] [--kv-port K] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
 takes it into its decode pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
@@ -11,11 +11,12 @@ import asyncio
 
 from decode_worker.service import DecodeService, expire_loop
 from kv_store.index.recorder import BlockRecorder
-from kv_store.transfer import KVReceiver, KVSender, TransferConfig
+from kv_store.transfer import KVReceiver, KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
+from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
     DrainConfig,
     announce_ready,
@@ -35,13 +36,22 @@ async def serve(options: WorkerOptions) -> None:
                        tp_role="decode")
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="decode-engine")
     service = DecodeService(options, loop, recorder)
-    # Signed pairs only; our own KV pushes listen on --host too.
-    transfer = TransferConfig(host=options.host, auth_key=options.security.kv_key())
-    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer)
+    kv = open_kv_transport(options.kv_transport, options.host)
+    # Signed pairs only; our own KV pushes listen on --host too; leases capped by ours.
+    transfer = options.lease.transfer_config(host=options.host,
+                                             auth_key=options.security.kv_key(),
+                                             backend=kv.backend)
+    # Frames must carry the tag of the ticket their request was reserved with (`kv_sink`);
+    # with NIXL, payloads land in a pool registered once, next to the paged cache.
+    receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer,
+                          tickets=service.sink.ticket, nixl=kv.nixl,
+                          nixl_device=engine.kv_caches[0].device)
     receiver.start()
-    service.kv_sender = KVSender(transfer)  # serves PushKV: others pull our prefixes
+    service.kv_receiver = receiver
+    service.kv_sender = KVSender(transfer, nixl=kv.nixl)  # PushKV: others pull our prefixes
     size = engine.tp.size
-    service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size),
+    service.endpoints = [worker_pb.KVEndpoint(address=receiver.address, tp_rank=0, tp_size=size,
+                                              nixl=receiver.nixl_descriptor),
                          *service.follower_endpoints()]
     loop.start()
     telemetry = start_telemetry(options, service)
@@ -51,7 +61,8 @@ async def serve(options: WorkerOptions) -> None:
     if link is not None:
         await link.attach(address, worker_info(options, engine, kv_address=receiver.address))
     announce_ready({"role": "decode", "worker_id": options.worker_id, "address": address,
-                    "kv_address": receiver.address, **telemetry.ready_info()})
+                    "kv_address": receiver.address, "kv_transport": kv.name,
+                    **telemetry.ready_info()})
 
     async def cleanup() -> None:
         # The receiver and the engine keep running while the streams in flight finish.
@@ -63,6 +74,7 @@ async def serve(options: WorkerOptions) -> None:
         service.kv_sender.close()
         loop.stop()
         engine.close()
+        kv.close()
         telemetry.close()
 
     await wait_for_signal(cleanup)

@@ -1,17 +1,27 @@
-"""Where KV blocks arriving from prefill workers land in the decode worker's paged cache.
+"""Where KV blocks arriving from other workers land in the decode worker's paged cache.
 
-For each disaggregated request the sink knows the destination blocks it reserved and which
-(layer, block, KV head) triples of *this rank's heads* it still expects: with tensor
-parallelism on either side, one rank's heads may arrive in slices from several prefill ranks
-(re-sharding in transit). The transfer engine's threads call `on_layer` / `on_done` /
-`on_failed`. A request is ready when nothing is missing and, on the primary rank, when the
-prefill worker's DONE (carrying the first token) has arrived — in whichever order.
+For each reservation (a remote prefill's prompt, or a pull's range) the sink knows the
+destination blocks and, through a `KVArrival` (`pdserve.engine.remote_kv`), which (layer,
+block, KV head) parts of *this rank's heads* are still missing: with tensor parallelism on
+either side, one rank's heads may arrive in slices from several prefill ranks (re-sharding in
+transit). The transfer engine's threads call `on_layer` / `on_done` / `on_failed`.
 
-A pull (this worker copying a prefix another worker holds, `decode_worker.kv_pull`) uses the
-same path with its own callbacks; its DONE carries `PULL_BLOCKS` (how many leading blocks of
-the expectation were sent), and parts of the blocks beyond that count are no longer expected.
+    expect(blocks, lease) ─► parts land (on_layer) ─► complete ─► on_ready(rid, done, lease)
+          │                  DONE bodies (on_done)       ▲
+          └─ a part outside the reservation, a bad DONE, the lease running out (expire),
+             a failed transfer ─► on_error(rid, reason)          (exactly one of the two)
 
-A lock orders writes against cancellation: `cancel()` takes it before the engine releases a
+Complete means nothing is missing and, on the primary rank, the typed DONE that ends the
+hand-off has arrived: `PrefillDone` (the first token) for a remote prefill, `PullDone` (how
+many leading blocks were sent; parts of the others are no longer expected) for a pull.
+`PartsDone` from the other pairs only ends their share.
+
+Each expectation holds the transfer's ticket, made by this worker when it reserved the blocks
+and handed out over the authenticated RPC only; the receiver asks `ticket()` for it and lets
+through only frames tagged under it (`kv_store.transfer.auth`). Once an expectation ends, its
+request has no ticket: nothing more is accepted for it.
+
+A lock orders writes against cancellation: `cancel()` takes it before the engine frees a
 request's blocks, so a block can never be written after it was handed to another request.
 """
 
@@ -19,58 +29,67 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kv_store.tp_layout import base_request_id
-from pdserve.serving.kv_push import PULL_BLOCKS  # a pull's DONE: blocks sent after `skip`
+from pdserve.engine.remote_kv import KVArrival, KVOutOfBounds
+from pdserve.serving import kv_messages
+from pdserve.serving.kv_lease import Lease
+from pdserve.serving.kv_messages import PartsDone, PrefillDone, PullDone
 
 log = logging.getLogger(__name__)
-ReadyFn = Callable[[str, dict], None]
+Ending = PrefillDone | PullDone
+ReadyFn = Callable[[str, Ending | None, Lease], None]
 ErrorFn = Callable[[str, str], None]
 
 
 @dataclass
 class PendingKV:
-    block_ids: list[int]  # every prompt block of the request, in order
-    skip: int  # leading blocks the decode worker already held
-    deadline: float
-    missing: set[tuple[int, int, int]] = field(default_factory=set)  # (layer, index, head)
-    meta: dict | None = None  # the prefill worker's DONE payload (first token)
+    arrival: KVArrival
+    lease: Lease
+    ticket: bytes  # what this hand-off's frames are tagged under
+    ending: type[Ending]  # the DONE that ends this hand-off: PrefillDone or PullDone
+    done: Ending | None = None  # that DONE, once it arrived
     on_ready: ReadyFn | None = None  # this expectation's own callbacks (None: the sink's)
     on_error: ErrorFn | None = None
 
 
 class DecodeKVSink:
-    def __init__(self, caches: list[torch.Tensor],
-                 on_ready: Callable[[str, dict], None],
-                 on_error: Callable[[str, str], None],
+    def __init__(self, caches: list[torch.Tensor], on_ready: ReadyFn, on_error: ErrorFn,
                  head_start: int = 0, primary: bool = True) -> None:
         self._caches = caches
         self._on_ready = on_ready
         self._on_error = on_error
-        self._head_start = head_start  # global index of this rank's first KV head
-        self._num_heads = caches[0].shape[2] if caches else 0
-        self._primary = primary  # the rank that receives DONE{first token}
+        num_heads = caches[0].shape[2] if caches else 0
+        self._heads = range(head_start, head_start + num_heads)  # global ids of our heads
+        self._primary = primary  # the rank that receives the ending DONE
         self._lock = threading.Lock()
         self._pending: dict[str, PendingKV] = {}
         self.bytes_received = 0
 
-    def expect(self, request_id: str, block_ids: list[int], skip: int, timeout_s: float,
+    def expect(self, request_id: str, block_ids: list[int] | tuple[int, ...], skip: int,
+               lease: Lease, ticket: bytes, ending: type[Ending] = PrefillDone,
                on_ready: ReadyFn | None = None, on_error: ErrorFn | None = None) -> None:
-        """Accept KV for blocks `block_ids[skip:]`; `on_ready` / `on_error` replace the
-        sink's callbacks for this request only (they are called under the sink's lock, so
-        they must only hand the news on)."""
-        heads = range(self._head_start, self._head_start + self._num_heads)
-        missing = {(layer, i, h) for layer in range(len(self._caches))
-                   for i in range(skip, len(block_ids)) for h in heads}
+        """Accept KV for blocks `block_ids[skip:]` until `lease` ends, in frames tagged under
+        `ticket` (`kv_store.transfer.new_ticket`), the hand-off ending with an `ending` DONE;
+        `on_ready` / `on_error` replace the sink's callbacks for this request only (called
+        under the sink's lock: they must only hand the news on)."""
+        if not isinstance(ticket, bytes) or not ticket:
+            raise ValueError("a KV expectation needs its transfer's ticket")
+        arrival = KVArrival(block_ids, skip, len(self._caches), self._heads)
         with self._lock:
-            self._pending[request_id] = PendingKV(list(block_ids), skip,
-                                                  time.monotonic() + timeout_s, missing,
+            self._pending[request_id] = PendingKV(arrival, lease, ticket, ending,
                                                   on_ready=on_ready, on_error=on_error)
+
+    def ticket(self, request_id: str) -> bytes | None:
+        """The ticket that frames for `request_id` (a wire id) must carry; None when no KV
+        is expected for it (the receiver's ticket book)."""
+        with self._lock:
+            p = self._pending.get(base_request_id(request_id))
+            return p.ticket if p is not None else None
 
     def cancel(self, request_id: str) -> bool:
         """Stop accepting KV for a request (before its blocks are released)."""
@@ -90,43 +109,38 @@ class DecodeKVSink:
             p = self._pending.get(request_id)
             if p is None:
                 return  # cancelled or unknown: drop, never write
-            allowed = {b: i for i, b in enumerate(p.block_ids) if i >= p.skip}
-            lo = head_start - self._head_start
-            hi = lo + kv.shape[2]
-            if (not 0 <= layer < len(self._caches) or lo < 0 or hi > self._num_heads
-                    or any(b not in allowed for b in block_ids)):
-                self._fail_locked(request_id, "KV outside the reservation or this rank's heads")
+            try:
+                p.arrival.check(layer, block_ids, head_start, kv.shape[2])
+            except KVOutOfBounds as exc:
+                self._fail_locked(request_id, f"KV refused: {exc}")
                 return
-            cache = self._caches[layer]
-            index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
-            data = kv.to(device=cache.device, dtype=cache.dtype)
-            if lo == 0 and hi == self._num_heads:
-                cache.index_copy_(0, index, data)
-            else:
-                cache[:, :, lo:hi].index_copy_(0, index, data)
-            p.missing.difference_update((layer, allowed[b], h) for b in block_ids
-                                        for h in range(head_start, head_start + kv.shape[2]))
+            self._write(layer, block_ids, head_start, kv)
+            p.arrival.record(layer, block_ids, head_start, kv.shape[2])
             self.bytes_received += kv.numel() * kv.element_size()
             self._complete_locked(request_id, p)
 
-    def on_done(self, request_id: str, meta: dict) -> None:
-        """A prefill rank finished sending; the primary's DONE carries the first token. A
-        pull's DONE (every rank) carries the number of blocks sent: the rest will not come."""
+    def on_done(self, request_id: str, body: bytes) -> None:
+        """A sender finished its share of the request; see the module docstring."""
         request_id = base_request_id(request_id)
         with self._lock:
             p = self._pending.get(request_id)
             if p is None:
                 return
-            if PULL_BLOCKS in meta:
-                sent = meta[PULL_BLOCKS]
-                if not isinstance(sent, int) or sent < 0:
-                    self._fail_locked(request_id, f"bad {PULL_BLOCKS} in DONE: {sent!r}")
-                    return
-                end = p.skip + sent
-                p.missing = {part for part in p.missing if part[1] < end}
-                p.meta = meta
-            elif "token_id" in meta:
-                p.meta = meta
+            try:
+                msg = kv_messages.decode(body)
+            except kv_messages.MessageError as exc:
+                self._fail_locked(request_id, f"bad DONE: {exc}")
+                return
+            if isinstance(msg, PartsDone):
+                self._complete_locked(request_id, p)
+                return
+            if not isinstance(msg, p.ending):
+                self._fail_locked(request_id, f"a {type(msg).__name__} ends no "
+                                              f"{p.ending.__name__} hand-off")
+                return
+            if isinstance(msg, PullDone):
+                p.arrival.limit(msg.blocks)
+            p.done = msg
             self._complete_locked(request_id, p)
 
     def on_failed(self, request_id: str, reason: str) -> None:
@@ -135,20 +149,35 @@ class DecodeKVSink:
             self._fail_locked(request_id, reason)
 
     def expire(self) -> None:
-        """Fail requests whose KV did not arrive in time (called periodically)."""
-        now = time.monotonic()
+        """Fail requests whose lease ran out before their KV landed (called periodically)."""
         with self._lock:
-            for rid in [r for r, p in self._pending.items() if p.deadline < now]:
+            for rid in [r for r, p in self._pending.items() if p.lease.expired]:
                 p = self._pending[rid]
-                why = (f"{len(p.missing)} (layer, block, head) parts never arrived"
-                       if p.meta is not None else "KV transfer timed out")
+                why = (f"KV lease expired: {p.arrival.num_missing} (layer, block, head) parts "
+                       f"never arrived" if p.done is not None
+                       else "KV lease expired before the transfer ended")
                 self._fail_locked(rid, why)
 
+    def _write(self, layer: int, block_ids: list[int], head_start: int,
+               kv: torch.Tensor) -> None:
+        cache = self._caches[layer]
+        index = torch.tensor(block_ids, dtype=torch.int64, device=cache.device)
+        data = kv.to(device=cache.device, dtype=cache.dtype)
+        lo = head_start - self._heads.start
+        hi = lo + kv.shape[2]
+        if lo == 0 and hi == len(self._heads):
+            cache.index_copy_(0, index, data)
+        else:
+            cache[:, :, lo:hi].index_copy_(0, index, data)
+
     def _complete_locked(self, request_id: str, p: PendingKV) -> None:
-        if p.missing or (self._primary and p.meta is None):
+        if not p.arrival.complete or (self._primary and p.done is None):
+            return
+        if p.lease.expired:  # landed, but too late: the other parties gave up already
+            self._fail_locked(request_id, "KV lease expired as the transfer ended")
             return
         del self._pending[request_id]
-        (p.on_ready or self._on_ready)(request_id, p.meta or {})
+        (p.on_ready or self._on_ready)(request_id, p.done, p.lease)
 
     def _fail_locked(self, request_id: str, reason: str) -> None:
         p = self._pending.pop(request_id, None)

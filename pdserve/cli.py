@@ -1,12 +1,16 @@
 """The `pdserve` command: one entry point for every role.
 
-    pdserve up [--model DIR] [--host H] [--port P] [--http-port P] [--prefill N] [--decode M]
-               [--redis URL] [--tls auto]
+    pdserve up [MODEL | --model PATH] [--host H] [--port P] [--http-port P] [--prefill N]
+               [--decode M] [--redis URL] [--tls auto] [vLLM's engine and server flags:
+               --dtype, --max-model-len, --quantization, --served-model-name, ...]
     pdserve generate [--target HOST:PORT] [--tls-ca CA.pem] "prompt"
     pdserve bench [--target HOST:PORT | --openai-url URL] [--num-prompts N] ...  (load generator)
     pdserve demo-model DIR
-    pdserve ray up|scale|status ...   (a deployment on a Ray cluster: pdserve/deploy/cli.py)
+    pdserve ray up|status|scale|logs|down ...   (a Ray deployment: pdserve/deploy/cli.py)
     pdserve router|prefill-worker|decode-worker ...   (one process of a role)
+
+PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
+--model every role serves the embedded default, SmolLM2-135M-Instruct (pdserve/default_model.py).
 
 `pdserve up` supervises its processes: a worker (or the router) that exits is started again,
 with backoff, on the same ports, while the rest keep serving; Ctrl-C / SIGTERM stops
@@ -45,28 +49,52 @@ def main(argv: list[str] | None = None) -> int:
     _add_up(sub.add_parser("up", help="start a local cluster"))
     _add_generate(sub.add_parser("generate", help="stream a completion"))
     _add_bench(sub.add_parser("bench", help="serving load generator (pdserve.loadgen)"))
-    demo = sub.add_parser("demo-model", help="write the random demo checkpoint")
+    demo = sub.add_parser("demo-model", help="write the random demo checkpoint (for tests)")
     demo.add_argument("dir")
     demo.add_argument("--seed", type=int, default=0)
-    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | scale | status"))
+    _add_ray(sub.add_parser("ray", help="deploy on a Ray cluster: up | status | scale | logs | "
+                                        "down"))
     a = parser.parse_args(argv)
     return {"up": cmd_up, "generate": cmd_generate, "bench": cmd_bench,
             "demo-model": cmd_demo_model, "ray": cmd_ray}[a.cmd](a)
 
 
+# vLLM flags `pdserve up` accepts so that a vLLM command line starts as it is; each does
+# nothing here (name -> takes a value).
+VLLM_NO_OPS = {"--enforce-eager": False, "--trust-remote-code": False,
+               "--disable-log-requests": False, "--disable-log-stats": False,
+               "--enable-chunked-prefill": False, "--disable-frontend-multiprocessing": False,
+               "--enable-tokenizer-info-endpoint": False,
+               "--enable-server-load-tracking": False, "--gpu-memory-utilization": True,
+               "--swap-space": True, "--seed": True, "--tokenizer-mode": True}
+
+
 def _add_up(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="checkpoint dir (default: the demo model)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=50051)
+    from pdserve.serving.worker_options import add_engine_args
+
+    p.add_argument("model_arg", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as vLLM takes it (the same as --model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct, prepared into the cache on first use)")
+    p.add_argument("--host", default="127.0.0.1", help="address every server binds to")
+    p.add_argument("--port", type=int, default=50051, help="the router's gRPC port")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API port (0 = any free port, -1 = none)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers")
     p.add_argument("--decode", type=int, default=1, help="decode workers")
     p.add_argument("--prefill-tp", type=int, default=1, help="TP ranks per prefill worker")
     p.add_argument("--decode-tp", type=int, default=1, help="TP ranks per decode worker")
-    p.add_argument("--threads-per-worker", type=int, default=0)
-    p.add_argument("--local-prefill-tokens", type=int, default=32)
-    p.add_argument("--log-dir", default=None)
+    p.add_argument("--threads-per-worker", type=int, default=0,
+                   help="torch threads per worker rank (0 = cores / ranks)")
+    p.add_argument("--local-prefill-tokens", type=int, default=32,
+                   help="uncached prompts up to this many tokens are prefilled by the decode "
+                        "worker itself")
+    p.add_argument("--migration-limit", type=int, default=3,
+                   help="most moves of one request to another worker after a worker fails it")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests move on")
+    p.add_argument("--log-dir", default=None, help="write each process's log here")
     p.add_argument("--worker-arg", action="append", default=[],
                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
     p.add_argument("--kv-host-gb", type=float, default=0.0,
@@ -74,6 +102,9 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-dir", default=None,
                    help="SSD KV tier directory (each worker uses DIR/<worker id>)")
     p.add_argument("--kv-ssd-gb", type=float, default=0.0, help="SSD KV tier per worker, GiB")
+    p.add_argument("--kv-transport", choices=("nixl", "nccl", "gloo"), default=None,
+                   help="what carries KV between workers: nixl (the workers' default; gloo "
+                        "where NIXL does not load), nccl (CUDA KV) or gloo")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                    help="on stop, seconds the router lets streams in flight finish")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -83,6 +114,24 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                    help="Redis KV index for the router and workers, redis://:password@host:port/db "
                         "(default: $PDSERVE_REDIS_URL, else the in-process index); the router "
                         "then discovers workers there, so workers started later join")
+    eng = p.add_argument_group("engine (vLLM's flags, passed to every worker)")
+    add_engine_args(eng, defaults=False)
+    eng.add_argument("--tensor-parallel-size", "-tp", type=int, default=None,
+                     help="TP ranks of every worker (sets --prefill-tp and --decode-tp)")
+    api = p.add_argument_group("OpenAI API (vLLM's flags, passed to the router)")
+    api.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                     help="a jinja chat template (file or text) replacing the model's")
+    api.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                     help="how tool calls are parsed from the output with tool_choice auto")
+    api.add_argument("--enable-auto-tool-choice", action="store_true",
+                     help='allow tool_choice "auto" (needs --tool-call-parser)')
+    api.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="report usage.prompt_tokens_details.cached_tokens")
+    compat = p.add_argument_group("accepted for vLLM compatibility, no effect")
+    for flag, takes_value in VLLM_NO_OPS.items():
+        compat.add_argument(flag, action="store" if takes_value else "store_true",
+                            dest=f"noop_{flag[2:].replace('-', '_')}",
+                            help="no effect (vLLM compatibility)")
     p.add_argument("--tls", choices=("off", "auto"), default="off",
                    help="auto: a throwaway CA and a certificate per process; the router's "
                         "APIs speak TLS and workers require the CA's client certificates")
@@ -112,10 +161,17 @@ def _add_bench(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_up(a: argparse.Namespace) -> int:
-    from pdserve.demo_model import ensure_demo_model
+    from pdserve.default_model import DefaultModelError, ensure_default_model
     from pdserve.launcher import ClusterSpec, LocalCluster
 
-    model = a.model or str(ensure_demo_model())
+    if a.model and a.model_arg and a.model != a.model_arg:
+        print("error: give the model once (MODEL or --model)", file=sys.stderr)
+        return 2
+    try:
+        model = a.model or a.model_arg or str(ensure_default_model())
+    except DefaultModelError as exc:
+        print(f"pdserve up: {exc}", file=sys.stderr)
+        return 1
     secret = ""
     if a.cluster_secret_file:
         from pdserve.serving.security import SecretError, load_cluster_secret
@@ -125,16 +181,20 @@ def cmd_up(a: argparse.Namespace) -> int:
         except SecretError as exc:
             print(f"pdserve up: {exc}", file=sys.stderr)
             return 2
+    tp = a.tensor_parallel_size
     spec = ClusterSpec(model=model, host=a.host, port=a.port, num_prefill=a.prefill,
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
-                       prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
-                       worker_args=(*a.worker_arg, *_tier_worker_args(a),
-                                    f"--drain-timeout={a.drain_timeout}"),
+                       prefill_tp=tp or a.prefill_tp, decode_tp=tp or a.decode_tp,
+                       worker_args=(*engine_worker_args(a), *a.worker_arg,
+                                    *_tier_worker_args(a), f"--drain-timeout={a.drain_timeout}"),
                        log_dir=a.log_dir, redis_url=a.redis, tls=a.tls == "auto",
                        cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port),
-                                    f"--shutdown-grace={a.shutdown_grace}"))
+                                    "--migration-limit", str(a.migration_limit),
+                                    "--heartbeat-timeout", str(a.heartbeat_timeout),
+                                    f"--shutdown-grace={a.shutdown_grace}",
+                                    *api_router_args(a)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -150,6 +210,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                   f"{cluster.ca_path} ...); gone when the cluster stops", flush=True)
         for c in cluster.children:
             extra = f"  kv {c.info['kv_address']}" if "kv_address" in c.info else ""
+            extra += f" ({c.info['kv_transport']})" if "kv_transport" in c.info else ""
             print(f"  {c.name:<10} grpc://{c.info['address']}{extra}", flush=True)
         if a.redis:
             print("  discovery      more workers join with: pdserve decode-worker|prefill-worker "
@@ -223,8 +284,40 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
+def engine_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
+    """`pdserve up`'s vLLM engine flags that are set, as worker flags."""
+    out: list[str] = []
+    for name in ("dtype", "max_model_len", "block_size", "max_num_seqs",
+                 "max_num_batched_tokens", "quantization", "kv_cache_dtype",
+                 "speculative_config"):
+        value = getattr(a, name)
+        if value is not None:
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    if a.enable_prefix_caching is not None:
+        out.append("--enable-prefix-caching" if a.enable_prefix_caching
+                   else "--no-enable-prefix-caching")
+    if a.model_id:
+        out += ["--served-model-name", *a.model_id]
+    return tuple(out)
+
+
+def api_router_args(a: argparse.Namespace) -> tuple[str, ...]:
+    """`pdserve up`'s OpenAI API flags that are set, as router flags."""
+    out: list[str] = []
+    if a.model_id:
+        out += ["--served-model-name", *a.model_id]
+    if a.chat_template:
+        out += ["--chat-template", a.chat_template]
+    if a.tool_call_parser:
+        out += ["--tool-call-parser", a.tool_call_parser]
+    for flag in ("enable_auto_tool_choice", "enable_prompt_tokens_details"):
+        if getattr(a, flag):
+            out.append(f"--{flag.replace('_', '-')}")
+    return tuple(out)
+
+
 def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
-    """The KV tier flags of `pdserve up`, as worker flags (only those that are set)."""
+    """The KV tier and transport flags of `pdserve up`, as worker flags (only those set)."""
     out: list[str] = []
     if a.kv_host_gb:
         out.append(f"--kv-host-gb={a.kv_host_gb}")
@@ -232,4 +325,6 @@ def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
         out.append(f"--kv-ssd-dir={a.kv_ssd_dir}")
     if a.kv_ssd_gb:
         out.append(f"--kv-ssd-gb={a.kv_ssd_gb}")
+    if a.kv_transport:
+        out.append(f"--kv-transport={a.kv_transport}")
     return tuple(out)

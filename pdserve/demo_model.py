@@ -1,8 +1,10 @@
-"""The embedded demo model: a small random-weight Llama checkpoint in Hugging Face format.
+"""The random demo model: a small random-weight Llama checkpoint in Hugging Face format, for
+tests and for benches that need speed rather than meaning (the served default is a real model:
+pdserve/default_model.py).
 
 Owns the demo model's configuration (`DemoModelConfig`), its deterministic weights, its byte-level
-BPE tokenizer (trained in code on a corpus generated in code, so nothing is downloaded), and the
-on-disk cache that the embedded default (`pdserve up`) loads from.
+BPE tokenizer (trained in code on a corpus generated in code, so nothing is downloaded), and its
+on-disk cache (`ensure_demo_model`, used by the benches).
 
 Everything written is a pure function of (seed, config): the same inputs give byte-identical files,
 so every process of a cluster that builds the demo model on its own gets the same model. Whenever

@@ -54,7 +54,9 @@ from pdserve.supervisor import RestartPolicy, Supervisor
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    model: str
+    model: str = ""
+    """Checkpoint path for every process ("" = the embedded default model, prepared once by
+    the launcher before any child starts)."""
     host: str = "127.0.0.1"
     port: int = 50051
     num_prefill: int = 1
@@ -107,12 +109,22 @@ class LocalCluster:
         self.router: Child | None = None
         self._started = {"prefill": 0, "decode": 0}  # workers ever started, for unique ids
         self.supervisor: Supervisor | None = None
+        self._model = spec.model
         secret = (ClusterSecret(spec.cluster_secret.encode()) if spec.cluster_secret
                   else load_cluster_secret())
         self._secret = secret or ClusterSecret(generate_secret().encode())
         self._tls_dir: str | None = None
         self._ca = None  # security.certs.ThrowawayCA with `spec.tls`
         self._client_cert = None
+
+    @property
+    def model(self) -> str:
+        """The checkpoint path the children serve (the default model prepared on first use)."""
+        if not self._model:
+            from pdserve.default_model import ensure_default_model
+
+            self._model = str(ensure_default_model())
+        return self._model
 
     @property
     def security(self) -> ClientSecurity:
@@ -136,6 +148,7 @@ class LocalCluster:
     @property
     def ca_path(self) -> str | None:
         return self._ca.ca_path if self._ca is not None else None
+
     @property
     def address(self) -> str:
         assert self.router is not None
@@ -194,7 +207,7 @@ class LocalCluster:
         http_set = s.port != 0 or any(x.startswith("--http-port") for x in s.router_args)
         http = [] if http_set else ["--http-port", "0"]
         self.router = self._spawn("router", "router", [
-            "--model", s.model, "--host", s.host, "--port", str(s.port), *workers, *http,
+            "--model", self.model, "--host", s.host, "--port", str(s.port), *workers, *http,
             *self._tls_args("router", ("--tls-cert", "--tls-key", "--internal-tls-ca")),
             *s.router_args])
         self._wait_ready(self.router, timeout_s)
@@ -235,7 +248,7 @@ class LocalCluster:
         self._started[role] += 1
         tp = s.decode_tp if role == "decode" else s.prefill_tp
         return self._spawn(name, f"{role}_worker", [
-            "--model", s.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
+            "--model", self.model, "--host", s.host, "--threads", str(threads), *s.worker_args,
             "--worker-id", name, "--tp", str(tp),
             *self._tls_args(name, ("--tls-cert", "--tls-key", "--tls-ca"))])
 

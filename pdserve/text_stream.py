@@ -22,8 +22,9 @@ class TextDelta:
 
 class TextStream:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int],
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 skip_special_tokens: bool = True) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self._stop = tuple(stop)
         self._include = include_stop_str_in_output
         self._hold = max((len(s) for s in self._stop), default=1) - 1

@@ -1,8 +1,9 @@
 """Text <-> token ids for one model: a thin wrapper over the Hugging Face `tokenizers` library.
 
-Owns reading a model directory's tokenizer files (tokenizer.json, tokenizer_config.json, the chat
-template, EOS ids from generation_config.json / config.json), the rule for adding BOS/EOS, and
-rendering chat templates in a sandboxed jinja2 environment. It never imports `transformers`.
+Owns reading (and writing) a model directory's tokenizer files (tokenizer.json,
+tokenizer_config.json, the chat template, EOS ids from generation_config.json / config.json), the
+rule for adding BOS/EOS, and rendering chat templates in a sandboxed jinja2 environment. It never
+imports `transformers`.
 
 BOS/EOS rule (what transformers' fast tokenizers do, plus the Llama default):
 - tokenizer_config.json sets add_bos_token / add_eos_token: the post-processor is replaced by a
@@ -63,11 +64,14 @@ class Tokenizer:
             eos_ids.add(backend.token_to_id(eos_token))
         self.eos_token_ids: frozenset[int] = frozenset(eos_ids)
         self._chat_template = chat_template
+        self._add_flags = {"add_bos_token": add_bos_token, "add_eos_token": add_eos_token}
         self._set_post_processor(add_bos_token, add_eos_token)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> Tokenizer:
-        """Load from a HF model directory (tokenizer.json is required)."""
+    def from_pretrained(cls, model_dir: str | Path, chat_template: str | None = None
+                        ) -> Tokenizer:
+        """Load from a HF model directory (tokenizer.json is required); `chat_template`
+        replaces the model's own (vLLM's --chat-template)."""
         root = Path(model_dir)
         if not (root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"model_dir {root}: no tokenizer.json")
@@ -81,9 +85,27 @@ class Tokenizer:
             unk_token=_token_content(config.get("unk_token")),
             add_bos_token=config.get("add_bos_token"),
             add_eos_token=config.get("add_eos_token"),
-            chat_template=_find_chat_template(root, config),
+            chat_template=chat_template or _find_chat_template(root, config),
             extra_eos_token_ids=_config_eos_ids(root),
         )
+
+    def save_pretrained(self, out_dir: str | Path) -> Path:
+        """Write tokenizer.json, tokenizer_config.json and generation_config.json (the EOS ids)
+        so that `from_pretrained(out_dir)` builds a tokenizer that encodes and decodes the same."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._backend.save(str(out / "tokenizer.json"), pretty=False)
+        config = {**self._special, **self._add_flags, "chat_template": self._chat_template}
+        _write_json(out / "tokenizer_config.json",
+                    {k: v for k, v in config.items() if v is not None})
+        _write_json(out / "generation_config.json", {"eos_token_id": sorted(self.eos_token_ids)})
+        return out
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """This tokenizer with another chat template (vLLM's --chat-template); the backend is
+        shared (its BOS/EOS post-processor is already set, so it is left as it is)."""
+        return Tokenizer(self._backend, **self._special, chat_template=chat_template,
+                         extra_eos_token_ids=sorted(self.eos_token_ids))
 
     # -- vocabulary ------------------------------------------------------------------------------
 
@@ -162,28 +184,37 @@ class Tokenizer:
         return self._chat_template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[dict] | None = None, **kwargs: Any
     ) -> str:
         """Render messages with the model's chat template (sandboxed jinja2, like transformers).
 
-        The result already holds any BOS the template writes: encode it with
-        add_special_tokens=False (see `encode_chat`). Raises ValueError for a model without a
-        template, for malformed messages and for errors the template raises.
+        `tools` (OpenAI function definitions) reach the template as `tools`;
+        `continue_final_message` cuts the text right after the last message's content, so
+        the model continues that message (transformers' rule). The result already holds any
+        BOS the template writes: encode it with add_special_tokens=False (see `encode_chat`).
+        Raises ValueError for a model without a template, for malformed messages and for
+        errors the template raises.
         """
         _check_messages(messages)
-        context = {**self._special, **kwargs, "messages": messages,
-                   "add_generation_prompt": add_generation_prompt}
+        context = {**self._special, "tools": tools, "documents": None, **kwargs,
+                   "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._compiled_template.render(**context)
+            text = self._compiled_template.render(**context)
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
+        return _continue_final(text, messages) if continue_final_message else text
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[dict] | None = None,
+        add_special_tokens: bool = False, **kwargs: Any
     ) -> list[int]:
-        """Token ids of a chat prompt: the rendered template, no special tokens added again."""
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        """Token ids of a chat prompt: the rendered template; special tokens are not added
+        again unless asked (vLLM's add_special_tokens)."""
+        text = self.apply_chat_template(messages, add_generation_prompt,
+                                        continue_final_message, tools, **kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
@@ -243,6 +274,19 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
     return env
 
 
+def _continue_final(text: str, messages: list[dict]) -> str:
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ValueError("continue_final_message needs a last message with text content")
+    at = text.rfind(final.strip())
+    if at < 0:
+        raise ValueError("continue_final_message is set but the final message does not "
+                         "appear in the rendered chat template")
+    keep = len(final.lstrip()) if text[at:at + len(final.lstrip())] == final.lstrip() \
+        else len(final.strip())
+    return text[:at + keep]
+
+
 def _check_messages(messages: Any) -> None:
     if not isinstance(messages, Sequence) or isinstance(messages, str):
         raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
@@ -264,6 +308,10 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
 
 
 def _token_content(value: Any) -> str | None:

@@ -1,4 +1,4 @@
-"""`python -m prefill_worker --model DIR [--host H] [--port P] [--redis URL]`
+"""`python -m prefill_worker [--model PATH] [--host H] [--port P] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
 takes it into its prefill pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
@@ -11,10 +11,11 @@ import asyncio
 import dataclasses
 
 from kv_store.index.recorder import BlockRecorder
-from kv_store.transfer import KVSender, TransferConfig
+from kv_store.transfer import KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
+from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
     DrainConfig,
     announce_ready,
@@ -35,9 +36,11 @@ async def serve(options: WorkerOptions) -> None:
     link = await open_index_link(options, recorder)  # None without --redis
     engine = LLMEngine(dataclasses.replace(options.engine, speculative_config=None),
                        on_block_event=recorder.on_block_event, tp_role="prefill")
-    sender = KVSender(TransferConfig(host=options.host,
-                                     auth_key=options.security.kv_key()))  # signed pairs
-    streamer = KVStreamer(sender, engine.runner.caches, engine.config.block_size,
+    kv = open_kv_transport(options.kv_transport, options.host)
+    sender = KVSender(options.lease.transfer_config(  # signed pairs, gloo bound to --host
+        host=options.host, auth_key=options.security.kv_key(), backend=kv.backend),
+        nixl=kv.nixl)
+    streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
                           engine.model_config.num_kv_heads, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer, recorder)
@@ -50,7 +53,7 @@ async def serve(options: WorkerOptions) -> None:
     if link is not None:
         await link.attach(address, worker_info(options, engine))
     announce_ready({"role": "prefill", "worker_id": options.worker_id,
-                    "address": address, **telemetry.ready_info()})
+                    "address": address, "kv_transport": kv.name, **telemetry.ready_info()})
 
     async def cleanup() -> None:
         # A prefill answers before its KV has reached the decode worker: wait for that too.
@@ -59,6 +62,7 @@ async def serve(options: WorkerOptions) -> None:
         loop.stop()
         engine.close()
         sender.close()
+        kv.close()
         telemetry.close()
 
     await wait_for_signal(cleanup)

@@ -1,26 +1,32 @@
 """The prefill worker's gRPC service.
 
     Prefill() ─► engine (max_tokens=1, chunked with other prefills) ─► each layer's new KV
-    streamed to the decode worker ─► first token sampled ─► DONE{token} to the decode worker
-                                                           └► PrefillResponse to the router
+    streamed to the decode worker ─► first token sampled ─► PrefillDone{token} to the decode
+                                                           worker └► PrefillResponse to the router
 
 The response does not wait for the transfer to finish: the router streams the first token to
-the client at once (TTFT), while the decode worker waits for the KV.
+the client at once (TTFT), while the decode worker waits for the KV. The transfer runs on the
+decode worker's lease (`KVTarget.lease_s`), and every frame is tagged under its ticket
+(`KVTarget.kv_ticket`): without the ticket the decode worker accepts none of it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 
 import grpc
 
+from kv_store.transfer.auth import TICKET_BYTES
 from pdserve.engine.engine import LLMEngine
 from pdserve.engine.outputs import StepOutput
 from pdserve.proto import worker_pb
-from pdserve.serving.convert import logprob_to_pb, params_from_pb
+from pdserve.serving.convert import logprob_to_pb, logprobs_to_pb, params_from_pb
 from pdserve.serving.engine_loop import EngineLoop
+from pdserve.serving.kv_lease import Lease
+from pdserve.serving.kv_messages import PrefillDone
 from pdserve.serving.worker_base import WorkerServicerBase
 from pdserve.serving.worker_options import WorkerOptions
 from prefill_worker.kv_streamer import KVStreamer
@@ -38,7 +44,7 @@ class PrefillService(WorkerServicerBase):
 
     def step(self, engine: LLMEngine) -> list[StepOutput]:
         """One engine step with per-layer KV streaming (runs on the engine thread)."""
-        plan = engine.scheduler.schedule()
+        plan = engine.plan()
         if plan.is_empty:
             return []
         sends = self.streamer.plan_sends(plan)
@@ -56,10 +62,10 @@ class PrefillService(WorkerServicerBase):
             if out.finished and out.new_token_ids:
                 self._marks.get(out.request_id, []).append(t1)
                 lp = out.new_logprobs[0]
-                # t_done (wall clock) lets the decode worker measure the exposed transfer.
-                meta = {"token_id": out.new_token_ids[0],
-                        "logprob": None if lp is None else lp.logprob, "t_done": time.time()}
-                future = self.streamer.finish(out.request_id, meta)
+                # sampled_at (wall clock) lets the decode worker measure the exposed transfer.
+                first = PrefillDone(out.new_token_ids[0], None if lp is None else lp.logprob,
+                                    time.time())
+                future = self.streamer.finish(out.request_id, first)
                 if future is not None:
                     future.add_done_callback(self._transfer_done)
         return outputs
@@ -81,6 +87,8 @@ class PrefillService(WorkerServicerBase):
             # Only the first token is sampled here; min_tokens still masks EOS at step 0.
             first = dataclasses.replace(params, max_tokens=1,
                                         min_tokens=min(params.min_tokens, 1), stop=())
+            # Off the engine thread and the event loop; the engine then hits the cache.
+            await asyncio.to_thread(self.loop.engine.compile_grammar, first)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         target = request.target
@@ -88,7 +96,12 @@ class PrefillService(WorkerServicerBase):
                 request.prompt_token_ids):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "target must name a KV endpoint and a block per prompt block")
+        if len(target.kv_ticket) != TICKET_BYTES:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"target.kv_ticket must be the decode worker's "
+                                f"{TICKET_BYTES}-byte ticket (DecodeReady.kv_ticket)")
         ids = list(request.prompt_token_ids)
+        lease = Lease.start(target.lease_s or self.options.lease.kv_lease_s)
         stream = self.loop.open_stream(rid)
         self._marks[rid] = [time.perf_counter()]
         done = False
@@ -97,7 +110,9 @@ class PrefillService(WorkerServicerBase):
                 engine.add_request(rid, ids, first, request.seed)
                 endpoints = [(e.address, e.tp_rank, max(e.tp_size, 1))
                              for e in target.endpoints]
-                self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks)
+                peers = tuple((e.address, bytes(e.nixl)) for e in target.endpoints)
+                self.streamer.add(rid, endpoints, list(target.block_ids), target.skip_blocks,
+                                  lease, bytes(target.kv_ticket), peers)
             try:
                 await self.loop.call(admit)
             except ValueError as exc:
@@ -120,7 +135,8 @@ class PrefillService(WorkerServicerBase):
                 token_id=out.new_token_ids[0],
                 logprob=logprob_to_pb(lp) if lp is not None else None,
                 cached_tokens=out.num_cached_tokens, queue_s=queue_s, compute_s=compute_s,
-                kv_bytes=self._kv_bytes(rid))
+                kv_bytes=self._kv_bytes(rid),
+                prompt_logprobs=logprobs_to_pb(out.prompt_logprobs or []))
         finally:
             self._marks.pop(rid, None)
             self.streamer.sent_bytes.pop(rid, None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from kv_store.transfer import KVSender, TransferConfig
+from kv_store.transfer import KVSender
 from pdserve.engine.tp.follower import FollowerPlugin
+from pdserve.serving.kv_lease import LeaseConfig
+from pdserve.serving.kv_transport import default_kv_transport, open_kv_transport
 from pdserve.serving.security.config import kv_auth_key
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
@@ -11,9 +13,13 @@ from prefill_worker.kv_streamer import BlockSend, KVStreamer
 class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
-        self.sender = KVSender(TransferConfig(host=host, auth_key=kv_auth_key()))
+        # Every lease comes from rank 0's sends; the default config only caps them. The KV
+        # key and transport come from the environment rank 0 passed down.
+        self.kv = open_kv_transport(default_kv_transport(), host)
+        self.sender = KVSender(LeaseConfig().transfer_config(
+            host=host, auth_key=kv_auth_key(), backend=self.kv.backend), nixl=self.kv.nixl)
         ctx = group.context
-        self.streamer = KVStreamer(self.sender, engine.runner.caches, engine.config.block_size,
+        self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
                                    engine.model_config.num_kv_heads, ctx.rank, ctx.size)
 
     def before_step(self, extra: dict):
@@ -23,8 +29,9 @@ class PrefillFollower(FollowerPlugin):
     def after_step(self, extra: dict) -> None:
         for s in self._sends:
             if s.last:  # the prompt is complete: close this rank's pairs for the request
-                self.streamer.finish(s.request_id, {})
+                self.streamer.finish(s.request_id, None, s.lease_s, s.ticket)
                 self.streamer.sent_bytes.pop(s.request_id, None)
 
     def close(self) -> None:
         self.sender.close()
+        self.kv.close()

@@ -1,4 +1,4 @@
-"""`python -m router --model DIR (--decode H:P[,H:P] [--prefill H:P[,H:P]] | --redis URL)
+"""`python -m router [--model PATH] (--decode H:P[,H:P] [--prefill H:P[,H:P]] | --redis URL)
 [--port 50051] [--http-port 8000]`: the gRPC API and, on the same asyncio loop, the OpenAI
 HTTP API.
 
@@ -8,8 +8,9 @@ Two ways to know the workers:
 - discovery (`--redis URL` and no lists): the pools follow the index's worker registry
   (`router.membership`): workers started later with the same `--redis` join on their own, and
   leave when they stop. The router may start before any worker: requests get UNAVAILABLE
-  until a decode worker joins. The model id (`--model-id`, else the checkpoint directory's
-  name) must be the workers' own; the length limit comes from the checkpoint config.
+  until a decode worker joins. The model id (`--model-id`, else the checkpoint's default: a
+  directory's name, a .gguf file's stem) must be the workers' own; the length limit comes
+  from the checkpoint config.
 
 With static lists the router serves as soon as each pool has one healthy worker (at most
 `--start-wait` seconds after it starts; then it serves anyway, with UNAVAILABLE until a
@@ -31,23 +32,27 @@ import time
 from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
-from pdserve.engine.model_config import ModelConfig
+from pdserve.default_model import ensure_default_model
+from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
+from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
 from pdserve.proto import pb
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.security import ClientSecurity, TLSError
 from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
-from pdserve.tokenizer import Tokenizer
 from router.admission import AdmissionConfig
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
-from router.frontend import Frontend
+from router.frontend import FinishRules, Frontend
 from router.membership import Membership
 from router.openai import HttpConfig, OpenAIServer, ServedModel
+from router.openai.server import ApiOptions
+from router.openai.tool_parsers import PARSERS
+from router.openai.tools import ToolConfig
 from router.pool import WorkerPool
 from router.service import PDServeService
 from router.validation import RequestLimits
@@ -77,13 +82,16 @@ async def open_index(redis_url: str, redis_ca: str = "") -> KVIndex | None:
 
 async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     index = await open_index(cfg.redis_url, cfg.redis_ca)
-    tokenizer = Tokenizer.from_pretrained(cfg.model)
-    model_cfg = ModelConfig.from_pretrained(cfg.model)
+    checkpoint = open_checkpoint(cfg.model)
+    tokenizer = checkpoint.tokenizer()
+    if cfg.chat_template:
+        tokenizer = tokenizer.with_chat_template(cfg.chat_template)
+    model_cfg = checkpoint.model_config
     prefill, decode = make_pools(cfg, index)
     await asyncio.gather(prefill.start(), decode.start())
     membership = None
     if cfg.discover:
-        model_id, max_len = served_model(cfg, model_cfg, [])
+        model_id, max_len = served_model(cfg, checkpoint, [])
         membership = Membership(index, {"prefill": prefill, "decode": decode}, model_id,
                                 max_len, cfg.discovery_period_s)
         await membership.start()
@@ -94,11 +102,15 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
         await asyncio.gather(prefill.wait_any_healthy(cfg.start_wait_s),
                              decode.wait_any_healthy(cfg.start_wait_s))
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
-        model_id, max_len = served_model(cfg, model_cfg, infos)
+        model_id, max_len = served_model(cfg, checkpoint, infos)
     limits = RequestLimits(max_len, model_cfg.vocab_size, tokenizer.max_token_bytes)
-    metrics = RouterMetrics()
-    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, limits)
-    service = PDServeService(frontend, max_len, model_id)
+    metrics = RouterMetrics(model_name=model_id)
+    metrics.registry.register(ClusterCollector(
+        model_id, lambda: cluster_state(metrics, prefill, decode)))
+    rules = FinishRules(checkpoint.eos_token_ids, max_len)
+    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules, limits)
+    service = PDServeService(frontend, max_len, model_id,
+                             ToolConfig(cfg.tool_call_parser, cfg.enable_auto_tool_choice))
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
                                 lambda s: s.add_generic_rpc_handlers((service.handlers(),)),
@@ -117,11 +129,13 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
-                             tokenizer.max_token_bytes)
+                             tokenizer.max_token_bytes, root=cfg.model,
+                             aliases=cfg.model_aliases)
         http = OpenAIServer(frontend, served,
                             dataclasses.replace(http_cfg, max_body_bytes=limits.max_body_bytes),
                             lambda: frontend.accepting and bool(decode.healthy()),
-                            metrics=metrics.registry if metrics_server is None else None)
+                            metrics=metrics.registry if metrics_server is None else None,
+                            before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
@@ -157,36 +171,66 @@ async def shutdown(frontend: Frontend, server, http: OpenAIServer | None,
     await server.server.stop(grace=0.5)
 
 
+def cluster_state(metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool
+                  ) -> ClusterState:
+    """vLLM's engine-state figures for the whole cluster: requests from the router's own
+    count (exact, live), KV usage of the decode pool, cache counters of every worker."""
+    p, d = prefill.totals(), decode.totals()
+    return ClusterState(metrics.running, metrics.waiting, d.kv_blocks_used, d.kv_blocks_total,
+                        p.prefix_cache_queries + d.prefix_cache_queries,
+                        p.prefix_cache_hits + d.prefix_cache_hits,
+                        p.preemptions + d.preemptions, d.block_size)
+
+
+async def refresh_pools(*pools: WorkerPool) -> None:
+    await asyncio.gather(*(pool.refresh_stats() for pool in pools))
+
+
 def make_pools(cfg: RouterConfig, index: KVIndex | None) -> tuple[WorkerPool, WorkerPool]:
     """The (prefill, decode) pools: the static lists, or empty ones that discovery fills."""
     # One view of every worker's cached blocks, fed by the Redis stream or by their stats.
     prefix = index.prefix if index is not None else PrefixIndex()
-    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s, cfg.health_misses,
-                                  prefix, events_from_stats=index is None,
-                                  security=cfg.internal)
+    prefill, decode = (WorkerPool(role, addresses, cfg.health_period_s,
+                                  cfg.heartbeat_timeout_s, prefix,
+                                  events_from_stats=index is None, security=cfg.internal)
                        for role, addresses in (("prefill", cfg.prefill), ("decode", cfg.decode)))
     return prefill, decode
 
 
-def served_model(cfg: RouterConfig, model_cfg: ModelConfig, infos: list) -> tuple[str, int]:
+def served_model(cfg: RouterConfig, checkpoint: Checkpoint, infos: list) -> tuple[str, int]:
     """(model id, length limit) the router serves: from the workers' infos when it has them
     (static lists), else from the flags and the checkpoint, as a worker's engine derives them
     by default (discovery, where no worker may exist yet)."""
-    model_id = cfg.model_id or (infos[0].model_id if infos else Path(cfg.model).name)
-    default_len = min(model_cfg.max_position_embeddings, ENGINE_MAX_LEN_CAP)
+    model_id = cfg.model_id or (infos[0].model_id if infos else checkpoint.model_id)
+    default_len = min(checkpoint.model_config.max_position_embeddings, ENGINE_MAX_LEN_CAP)
     return model_id, min((i.max_model_len for i in infos), default=default_len)
 
 
 def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | None]:
     """The router's config, and the HTTP server's (None when --http-port is -1)."""
     p = argparse.ArgumentParser(prog="router")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prefill", default="", help="comma-separated host:port list")
     p.add_argument("--decode", default="",
                    help="comma-separated host:port list (none with --redis: discovery mode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
-    p.add_argument("--model-id", default="")
+    p.add_argument("--served-model-name", "--model-id", dest="model_id", nargs="+",
+                   default=[], metavar="NAME",
+                   help="the model's name in requests and responses (more names: aliases); "
+                        "default: the workers' (the checkpoint directory's name)")
+    p.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                   help="a jinja chat template (a file, or the template itself) replacing "
+                        "the model's")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default=None,
+                   help="how tool calls are found in the model's output with tool_choice "
+                        "auto: hermes (<tool_call> JSON, Qwen2.5 / SmolLM2) or llama3_json")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='allow tool_choice "auto" (needs --tool-call-parser)')
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="report usage.prompt_tokens_details.cached_tokens")
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
                    help="worker choice: KV-aware (default) or round-robin (a baseline)")
@@ -211,6 +255,14 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     p.add_argument("--discover-wait", type=float, default=5.0, metavar="S",
                    help="discovery mode: longest start-up wait for registered workers to answer")
+    p.add_argument("--health-period", type=float, default=RouterConfig.health_period_s,
+                   metavar="S", help="how often each worker is polled (its heartbeat)")
+    p.add_argument("--heartbeat-timeout", type=float,
+                   default=RouterConfig.heartbeat_timeout_s, metavar="S",
+                   help="a worker silent this long leaves its pool; its requests migrate")
+    p.add_argument("--migration-limit", type=int, default=RouterConfig.migration_limit,
+                   metavar="N", help="most moves of one request to another worker after a "
+                                     "worker failure (0: fail it instead)")
     p.add_argument("--metrics-port", type=int, default=-1,
                    help="serve /metrics on a server of its own at --metrics-host:PORT "
                         "(0 = any free port; default -1: on the HTTP API's port)")
@@ -230,10 +282,16 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--shutdown-grace and --start-wait must be >= 0")
     if a.queue_waves < 1:
         p.error("--queue-waves must be >= 1")
+    if a.health_period <= 0 or a.heartbeat_timeout <= 0:
+        p.error("--health-period and --heartbeat-timeout must be > 0")
+    if a.migration_limit < 0:
+        p.error("--migration-limit must be >= 0")
     if a.http_port < -1:
         p.error("--http-port must be -1 (disabled), 0 (any free port) or a port number")
     if a.metrics_port < -1 or a.metrics_port > 65535:
         p.error("--metrics-port must be -1 (on the HTTP port), 0 (any free port) or a port")
+    if a.enable_auto_tool_choice and not a.tool_call_parser:
+        p.error("--enable-auto-tool-choice needs --tool-call-parser")
     tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
     try:
         tls = security_args.server_tls(a)
@@ -242,18 +300,38 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         metrics_tokens = security_args.metrics_tokens(a)
     except (TLSError, ValueError) as exc:
         p.error(str(exc))
+    api = ApiOptions(ToolConfig(a.tool_call_parser, a.enable_auto_tool_choice),
+                     a.enable_prompt_tokens_details)
     http = None if a.http_port == -1 else HttpConfig(
         host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens,
         metrics_tokens=metrics_tokens,
-        ssl_context=tls.ssl_context() if tls is not None else None)
+        ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
-        model=a.model, prefill=prefill, decode=decode, host=a.host, port=a.port,
-        model_id=a.model_id, local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
+        model=a.model or str(ensure_default_model()), prefill=prefill, decode=decode,
+        host=a.host, port=a.port,
+        model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
+        chat_template=read_chat_template(a.chat_template),
+        tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
+        local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
         admission=AdmissionConfig(queue_waves=a.queue_waves, enabled=not a.no_admission),
-        shutdown_grace_s=a.shutdown_grace, start_wait_s=a.start_wait, auth_tokens=tokens,
-        redis_url=a.redis, redis_ca=a.redis_ca, discovery_wait_s=a.discover_wait, tls=tls,
+        shutdown_grace_s=a.shutdown_grace, start_wait_s=a.start_wait,
+        auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
+        discovery_wait_s=a.discover_wait, health_period_s=a.health_period,
+        heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit, tls=tls,
         internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_tokens=metrics_tokens), http
+
+
+def read_chat_template(value: str | None) -> str:
+    """vLLM's --chat-template: a file's contents, else the value itself as a template."""
+    if not value:
+        return ""
+    path = Path(value)
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise SystemExit(f"router: --chat-template {value!r} is neither a file nor a template")
+    return value
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,8 +21,10 @@ When the request would start (continuous batching, FCFS; the worker's measured s
     start     = max(prefill, waves × mean_remaining × step(slots))   (both go on at once)
     finish    = start + max_tokens × step(occupancy % slots + 1)     (the batch it runs in)
 
-Requests decided one after another see the batch each one makes: once one would finish too
-late, every later one in that batch would too, so what is admitted fits together.
+A request with `n` choices (forked on one decode worker) is judged as its last choice, the
+other n - 1 already there. Requests decided one after another see the batch each one makes:
+once one would finish too late, every later one in that batch would too, so what is admitted
+fits together.
 
 A worker takes the request when its queue has room and the request finishes before
 `deadline × (1 - margin)`: one that would wait in a queue, or make the batch too slow, and
@@ -115,6 +117,8 @@ class RequestSize:
     """Seconds left before its deadline."""
     remote_prefill: bool = True
     """Its prompt goes to a prefill worker (else the decode worker computes it)."""
+    count: int = 1
+    """Sequences it runs at once on one decode worker (its `n` choices, forked there)."""
 
 
 @dataclass(frozen=True)
@@ -219,6 +223,8 @@ def decide(loads: Sequence[DecodeLoad], prefill: Sequence[PrefillLoad], size: Re
 def _judge(w: DecodeLoad, size: RequestSize, config: AdmissionConfig, budget: float,
            pre: float, pre_alone: float) -> tuple[bool, float, str]:
     """(takes it, retry hint if not, why not) for one decode worker."""
+    if size.count > 1:  # judged as its last choice, the others already there
+        w = dataclasses.replace(w, occupancy=w.occupancy + size.count - 1)
     n = slots(w, size)
     if n < 1:
         return False, MAX_RETRY_S, (f"decode worker {w.index}: the request needs more KV "

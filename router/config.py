@@ -11,7 +11,8 @@ from router.admission import AdmissionConfig
 @dataclass(frozen=True)
 class RouterConfig:
     model: str
-    """Checkpoint directory (tokenizer and model card come from it)."""
+    """Checkpoint path (tokenizer and model card come from it): a Hugging Face directory, a
+    .gguf file or a directory holding one."""
     prefill: tuple[str, ...] = ()
     """host:port of each prefill worker."""
     decode: tuple[str, ...] = ()
@@ -19,7 +20,15 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     model_id: str = ""
-    """Name served in ListModels (default: the checkpoint directory's name)."""
+    """Name served in ListModels (default: the checkpoint's, see `Checkpoint.model_id`)."""
+    model_aliases: tuple[str, ...] = ()
+    """More names the OpenAI API accepts for the model (vLLM's --served-model-name A B)."""
+    chat_template: str = ""
+    """A chat template (jinja text) replacing the model's own ("" = the model's)."""
+    tool_call_parser: str | None = None
+    """How tool calls are found in outputs with tool_choice auto (hermes, llama3_json)."""
+    enable_auto_tool_choice: bool = False
+    """Allow tool_choice auto (both APIs)."""
     routing: str = "kv"
     """kv (KV-aware, the default) or round-robin (a baseline for comparison)."""
     local_prefill_tokens: int = 32
@@ -33,9 +42,13 @@ class RouterConfig:
     default_timeout_s: float = 600.0
     """Deadline applied when the client sets none."""
     health_period_s: float = 1.0
-    """How often each worker's stats are polled."""
-    health_misses: int = 3
-    """Consecutive failed polls that take a worker out of its pool."""
+    """How often each worker's stats are polled (its heartbeat)."""
+    heartbeat_timeout_s: float = 3.0
+    """A worker that has not answered a poll for this long leaves its pool, and the requests
+    in flight on it move to another worker (detected within this plus half a period)."""
+    migration_limit: int = 3
+    """How many times one request may move to another worker (its decode worker died,
+    stopped answering or ended it; its prefill worker was lost) before it fails."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted on the public API (empty = no auth)."""
     redis_url: str = field(default="", repr=False)

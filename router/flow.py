@@ -1,39 +1,60 @@
 """One request's journey through the cluster, as seen from the router.
 
-    pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints}
+One attempt (`_attempt`; its workers come from `router.placement`):
+
+    pick D ─► Decode(D) ─► ready{cached_blocks, block_ids, endpoints, kv_lease_s, kv_ticket}
         ├─ short uncached prompt: D prefills itself (local_prefill), tokens follow
         ├─ another worker X holds a longer prefix and the rest is short: local_prefill with
         │  kv_source = X; D pulls the prefix from X (PushKV), then prefills the rest
-        └─ else pick P ─► Prefill(P, target = D's blocks) ─► first token (streamed at once)
+        └─ else pick P ─► Prefill(P, target = D's blocks, lease, ticket) ─► first token
                           P streams KV to D; D decodes ─► tokens ... ─► finished
 
-Each worker chosen (D, X, P) whose prefix match runs into its host/SSD tiers first gets a
-fire-and-forget `Prefetch` of those blocks, so they climb while the request is queued.
+The request (`run`), with migration (`router.migration`):
 
-Every exit path (finish, stop string, error, client cancel, deadline) cancels the calls still
+    attempt 0 ──tokens──► client
+       │ lost: D died / stopped answering / ended it; P lost before D had the KV
+       ▼
+    attempt n: another D, `generated_token_ids` = every token the client already has,
+       local_prefill, kv_source = whoever holds the prompt's KV ──tokens after them──► client
+       (at most `--migration-limit` moves; the old attempt's calls are cancelled first)
+
+Several choices of one prompt (`n` > 1) are one attempt: D forks them from the prompt's KV
+(computed once, by P or by D) and every event carries its choice's `index`; such a request
+moves to another worker only while nothing was streamed yet, and `stop_choice` ends one
+choice (a stop string the router found) while the others go on.
+
+While an attempt waits on D, D is watched (its heartbeats); until D's first event, so is P:
+the moment either leaves its pool the attempt's calls are cancelled and it is lost. Every
+exit path (finish, stop string, error, client cancel, deadline) cancels the calls still
 open, which makes the workers abort the request and free its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
 
-from kv_store.index.events import Tier
-from kv_store.index.prefix import PrefixMatch
-from pdserve.block_hash import chain_hashes
+from pdserve.engine.finish import FinishReason
 from pdserve.proto import pb, worker_pb
-from pdserve.serving.convert import FINISH_FROM_PB, params_to_pb
-from router import policy
+from pdserve.serving.convert import finish_from_pb, params_to_pb
+from router.migration import (
+    LostCause,
+    MigrationPolicy,
+    cause_of_decode_error,
+    prefill_lost,
+)
+from router.placement import NoWorker, Placement, PromptBlocks
 from router.pool import WorkerHandle, WorkerPool
 from router.validation import ValidRequest
 
-PREFETCH_TIMEOUT_S = 2.0  # a prefetch hint not taken by then is moot; never waited for
+log = logging.getLogger(__name__)
 
 
 class FlowError(Exception):
@@ -44,30 +65,33 @@ class FlowError(Exception):
         self.code = code
 
 
+class AttemptLost(Exception):
+    """A worker failed an attempt in a way another worker can make good."""
+
+    def __init__(self, cause: LostCause, worker: WorkerHandle, detail: str) -> None:
+        super().__init__(f"{worker.role} worker {worker.address}: {detail}")
+        self.cause = cause
+        self.worker = worker
+
+
 @dataclass
 class TokenEvent:
     token_ids: list[int]
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
+    """With sampling.prompt_logprobs: on the first event, from whichever worker prefilled."""
+    index: int = 0
+    """The choice (n > 1)."""
 
 
 @dataclass
 class FinishEvent:
-    reason: str
+    reason: FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-
-
-@dataclass(frozen=True)
-class PromptBlocks:
-    """The prompt's block hashes and what each worker holds of them (KV index: a hint)."""
-
-    hashes: list[bytes]
-    matches: dict[str, PrefixMatch]
-
-    def held_by(self, w: WorkerHandle) -> int:
-        m = self.matches.get(w.address)
-        return m.blocks if m is not None else 0
+    index: int = 0
+    """The choice (n > 1); the request's stream ends after every choice's."""
 
 
 @dataclass
@@ -82,234 +106,269 @@ class FlowTimings:
     prefill_cached_tokens: int = 0
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """One try at a request: its id on the workers, and what the client already has."""
+
+    rid: str
+    generated: tuple[int, ...]
+    seed: int
+    deadline: float  # Unix seconds
+    excluded: frozenset[str]  # workers that failed this request before
+
+    def time_left(self) -> float:
+        return max(self.deadline - time.time(), 0.001)
+
+
+class Tripwire:
+    """Cancels an attempt's calls the moment a worker it depends on leaves its pool, and
+    remembers why; whoever awaited a cancelled call turns that into `AttemptLost`."""
+
+    def __init__(self) -> None:
+        self.tripped: tuple[LostCause, WorkerHandle] | None = None
+        self._calls: list = []
+        self._unwatch: list[Callable[[], None]] = []
+
+    def guard(self, call) -> None:
+        self._calls.append(call)
+        if self.tripped is not None:
+            call.cancel()
+
+    def watch(self, w: WorkerHandle, cause: LostCause) -> Callable[[], None]:
+        unwatch = w.watch(lambda: self._trip(cause, w))
+        self._unwatch.append(unwatch)
+        return unwatch
+
+    def _trip(self, cause: LostCause, w: WorkerHandle) -> None:
+        if self.tripped is None:
+            self.tripped = (cause, w)
+            for call in self._calls:
+                call.cancel()
+
+    def lost(self) -> AttemptLost | None:
+        """The loss a cancelled call stands for; None if the task itself is cancelled."""
+        task = asyncio.current_task()
+        if self.tripped is None or (task is not None and task.cancelling()):
+            return None
+        cause, w = self.tripped
+        return AttemptLost(cause, w, f"left its pool ({cause})")
+
+    def close(self) -> None:
+        for unwatch in self._unwatch:
+            unwatch()
+
+
 class Flow:
     def __init__(self, prefill: WorkerPool, decode: WorkerPool, local_prefill_tokens: int,
-                 rng: random.Random, routing: str = "kv") -> None:
-        if routing not in ("kv", "round-robin"):
-            raise ValueError(f"routing must be 'kv' or 'round-robin', got {routing!r}")
+                 rng: random.Random, routing: str = "kv",
+                 migration: MigrationPolicy | None = None) -> None:
         self.prefill = prefill
         self.decode = decode
-        self.local_prefill_tokens = local_prefill_tokens
         self.rng = rng
-        self.routing = routing
-        self._turn = {"prefill": 0, "decode": 0}  # round-robin cursors
-        # Router-side counts: prefetch hints sent / failed, pulls routed.
-        self.counters = {"prefetch_hints": 0, "prefetch_hint_failures": 0, "kv_pulls_routed": 0}
-        self._background: set[asyncio.Task] = set()  # prefetch hints in flight
+        self.migration = migration if migration is not None else MigrationPolicy()
+        # Router-side counts: prefetch hints sent / failed, pulls routed, migrations (all,
+        # and by cause as "migrations.<cause>").
+        self.counters: dict[str, float] = {"prefetch_hints": 0, "prefetch_hint_failures": 0,
+                                           "kv_pulls_routed": 0, "migrations": 0}
+        self.place = Placement(prefill, decode, local_prefill_tokens, routing, self.counters)
+        self._live: dict[str, tuple[WorkerHandle, str]] = {}  # rid -> (D, attempt id) now
+
+    @property
+    def _background(self) -> set[asyncio.Task]:
+        return self.place.background  # prefetch hints in flight
+
+    def stop_choice(self, rid: str, index: int) -> None:
+        """End choice `index` of request `rid` on its decode worker (fire-and-forget); its
+        other choices go on. The flow still reads (and drops nothing of) the stream."""
+        live = self._live.get(rid)
+        if live is None or index < 0:
+            return
+        d, attempt = live
+        target = attempt if index == 0 else f"{attempt}.c{index}"
+
+        async def abort() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # it may have ended meanwhile
+                await d.stub.Abort(worker_pb.AbortRequest(request_id=target), timeout=2.0)
+
+        task = asyncio.create_task(abort())
+        self._background.add(task)  # a reference, so the task is not collected mid-flight
+        task.add_done_callback(self._background.discard)
 
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
-                  timings: FlowTimings, decode_allowed: frozenset[str] | None = None
+                  timings: FlowTimings, n: int = 1, decode_allowed: frozenset[str] | None = None
                   ) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """`decode_allowed`: addresses admission control lets take it (None: any)."""
+        """`decode_allowed`: the decode workers admission control lets take the request's
+        first attempt (None: any); a migration goes wherever placement finds room."""
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
-        blocks = self._prompt_blocks(req.prompt_token_ids)
-        d = self._pick_decode(blocks.matches, decode_allowed)
-        self._hint(rid, d, blocks)
-        self._expect_blocks(d, blocks.hashes)
-        source = self._pull_source(rid, d, blocks, len(req.prompt_token_ids))
-        remote = source is None and policy.prefill_remotely(
-            len(req.prompt_token_ids), blocks.held_by(d) * self._block_size(),
-            self.local_prefill_tokens, bool(self.prefill.healthy()))
+        streamed: list[int] = []
+        excluded: set[str] = set()
+        moves = 0
+        while True:
+            a = Attempt(rid if moves == 0 else f"{rid}.m{moves}", tuple(streamed), seed,
+                        deadline, frozenset(excluded))
+            try:
+                allowed = decode_allowed if moves == 0 else None
+                async for ev in self._attempt(a, req, timings, n, rid, allowed):
+                    if isinstance(ev, TokenEvent):
+                        streamed.extend(ev.token_ids)
+                    yield ev
+                return
+            except AttemptLost as lost:
+                if n > 1 and streamed:  # each choice would need its own continuation
+                    raise FlowError(grpc.StatusCode.UNAVAILABLE,
+                                    f"{lost}; a request with n > 1 moves only before its "
+                                    "first token") from None
+                decision = self.migration.decide(lost.cause, moves, deadline - time.time())
+                if not decision.migrate:
+                    raise FlowError(decision.status, f"{lost}; {decision.reason}") from None
+                moves += 1
+                excluded.add(lost.worker.address)
+                self.counters["migrations"] += 1
+                key = f"migrations.{lost.cause}"
+                self.counters[key] = self.counters.get(key, 0) + 1
+                log.info("request %s moves on (%d/%d) after %d tokens: %s", rid, moves,
+                         self.migration.limit, len(streamed), lost)
+
+    # -- one attempt ---------------------------------------------------------------------
+    async def _attempt(self, a: Attempt, req: ValidRequest, timings: FlowTimings, n: int = 1,
+                       rid: str = "", allowed: frozenset[str] | None = None
+                       ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        tokens = req.prompt_token_ids + list(a.generated)
+        blocks = self.place.blocks(tokens)
+        try:
+            d = self.place.pick_decode(blocks.matches, set(a.excluded), allowed)
+        except NoWorker as exc:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        self.place.hint(a.rid, d, blocks)
+        self.place.expect_blocks(d, blocks.hashes)
+        source = None if n > 1 else self.place.pull_source(  # forks: no pulls
+            a.rid, d, blocks, len(tokens), continuation=bool(a.generated))
+        remote = (source is None and not a.generated and self.place.prefill_remotely(
+            len(tokens), d, blocks, set(a.excluded)))
+        wire = Tripwire()
         call = d.stub.Decode(worker_pb.DecodeRequest(
-            request_id=rid, prompt_token_ids=req.prompt_token_ids,
-            sampling=params_to_pb(req.params), seed=seed, local_prefill=not remote,
-            deadline_unix_s=deadline, kv_source=source), timeout=timeout_s)
+            request_id=a.rid, prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_pb(req.params), seed=a.seed, local_prefill=not remote,
+            deadline_unix_s=a.deadline, kv_source=source, generated_token_ids=a.generated,
+            n=n), timeout=a.time_left())
+        wire.guard(call)
+        wire.watch(d, LostCause.DECODE_UNRESPONSIVE)
         d.inflight += 1
+        rid = rid or a.rid
+        self._live[rid] = (d, a.rid)
         try:
             events = call.__aiter__()
-            ready = await self._next(events, d, self.decode)
+            ready = await self._next(events, d, wire)
             timings.decode_ready = time.perf_counter()
             if ready is None or ready.WhichOneof("event") != "ready":
                 raise FlowError(grpc.StatusCode.INTERNAL, "decode worker skipped the handshake")
-            watch = None
             if remote:
                 timings.prefill_remote = True
-                first, watch = await self._prefill(rid, req, seed, ready.ready, deadline,
-                                                   timings, blocks)
+                first = await self._prefill(a, req, ready.ready, timings, blocks, wire)
                 yield first
-            async for ev in self._decode_events(events, d, watch):
+            async for ev in self._decode_events(events, d, wire, n):
                 if remote and isinstance(ev, FinishEvent):
                     # The prompt was computed on P: what P reused is what was not recomputed
                     # (D's own hit only spared the transfer of those blocks).
                     ev.cached_tokens = timings.prefill_cached_tokens
                 yield ev
         finally:
+            self._live.pop(rid, None)
             d.inflight -= 1
+            wire.close()
             call.cancel()  # no-op once finished; otherwise D aborts the request
 
-    async def _prefill(self, rid: str, req: ValidRequest, seed: int,
-                       ready: worker_pb.DecodeReady, deadline: float,
-                       timings: FlowTimings, blocks: PromptBlocks
-                       ) -> tuple[TokenEvent, WorkerHandle]:
-        p = self._pick_prefill(len(req.prompt_token_ids), blocks.matches)
-        self._hint(rid, p, blocks)
-        self._expect_blocks(p, blocks.hashes)
+    async def _prefill(self, a: Attempt, req: ValidRequest, ready: worker_pb.DecodeReady,
+                       timings: FlowTimings, blocks: PromptBlocks, wire: Tripwire
+                       ) -> TokenEvent:
+        """Prefill on P into D's blocks. P stays watched until D's first event (its KV may
+        never come if P goes), so the wire keeps that watch on when this returns."""
+        try:
+            p = self.place.pick_prefill(len(req.prompt_token_ids), blocks.matches,
+                                        set(a.excluded))
+        except NoWorker as exc:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        self.place.hint(a.rid, p, blocks)
+        self.place.expect_blocks(p, blocks.hashes)
+        lease_s = ready.kv_lease_s - (time.perf_counter() - timings.decode_ready)
         target = worker_pb.KVTarget(endpoints=ready.endpoints, block_ids=ready.block_ids,
-                                    skip_blocks=ready.cached_blocks)
+                                    skip_blocks=ready.cached_blocks, lease_s=max(lease_s, 1e-3),
+                                    kv_ticket=ready.kv_ticket)
+        call = p.stub.Prefill(worker_pb.PrefillRequest(
+            request_id=a.rid, prompt_token_ids=req.prompt_token_ids,
+            sampling=params_to_pb(req.params), seed=a.seed, target=target,
+            deadline_unix_s=a.deadline), timeout=a.time_left())
+        wire.guard(call)
+        wire.watch(p, LostCause.PREFILL_LOST)
         p.inflight += 1
         try:
-            resp = await p.stub.Prefill(worker_pb.PrefillRequest(
-                request_id=rid, prompt_token_ids=req.prompt_token_ids,
-                sampling=params_to_pb(req.params), seed=seed, target=target,
-                deadline_unix_s=deadline), timeout=max(deadline - time.time(), 0.001))
+            resp = await call
+        except asyncio.CancelledError:
+            lost = wire.lost()
+            if lost is None:
+                raise
+            raise lost from None
         except grpc.aio.AioRpcError as exc:
-            raise _flow_error(exc, p, self.prefill) from None
+            raise self._prefill_error(exc, p) from None
         finally:
             p.inflight -= 1
         timings.first_token = time.perf_counter()
         timings.prefill_compute_s = resp.compute_s
         timings.prefill_cached_tokens = resp.cached_tokens
         lps = [resp.logprob] if resp.HasField("logprob") else []
-        return TokenEvent([resp.token_id], lps), p
+        return TokenEvent([resp.token_id], lps, list(resp.prompt_logprobs))
 
-    async def _decode_events(self, events, d: WorkerHandle, watch: WorkerHandle | None
+    async def _decode_events(self, events, d: WorkerHandle, wire: Tripwire, n: int = 1
                              ) -> AsyncIterator[TokenEvent | FinishEvent]:
-        """D's events. Until the first one, also watch the prefill worker that is streaming
-        the KV: if it leaves its pool, the KV may never come, so fail now, not at a timeout."""
         first = True
-        while True:
-            if first and watch is not None:
-                ev = await self._next_or_down(events, d, watch)
+        running = set(range(n))
+        while running:
+            ev = await self._next(events, d, wire)
+            if first:  # D has the KV: no prefill worker matters to this attempt any more
                 first = False
-            else:
-                ev = await self._next(events, d, self.decode)
+                wire.close()
+                wire.watch(d, LostCause.DECODE_UNRESPONSIVE)
             if ev is None:
-                raise FlowError(grpc.StatusCode.UNAVAILABLE, "decode stream ended early")
+                raise AttemptLost(LostCause.DECODE_ENDED, d, "its stream ended early")
             kind = ev.WhichOneof("event")
             if kind == "tokens":
-                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs))
+                yield TokenEvent(list(ev.tokens.token_ids), list(ev.tokens.logprobs),
+                                 list(ev.tokens.prompt_logprobs), ev.tokens.index)
             elif kind == "finished":
                 f = ev.finished
-                yield FinishEvent(FINISH_FROM_PB.get(f.reason, "abort"), f.prompt_tokens,
-                                  f.completion_tokens, f.cached_tokens)
-                return
+                running.discard(f.index)
+                yield FinishEvent(finish_from_pb(f.reason), f.prompt_tokens,
+                                  f.completion_tokens, f.cached_tokens, f.index)
 
-    async def _next_or_down(self, events, d: WorkerHandle, p: WorkerHandle):
-        nxt = asyncio.ensure_future(self._next(events, d, self.decode))
-        down = asyncio.ensure_future(p.down.wait())
-        try:
-            await asyncio.wait({nxt, down}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            down.cancel()
-        if nxt.done():
-            return nxt.result()
-        nxt.cancel()
-        raise FlowError(grpc.StatusCode.UNAVAILABLE,
-                        f"prefill worker {p.address} went down before its KV arrived")
-
-    async def _next(self, events, worker: WorkerHandle, pool: WorkerPool):
+    async def _next(self, events, d: WorkerHandle, wire: Tripwire):
         try:
             return await events.__anext__()
         except StopAsyncIteration:
             return None
+        except asyncio.CancelledError:
+            lost = wire.lost()
+            if lost is None:
+                raise
+            raise lost from None
         except grpc.aio.AioRpcError as exc:
-            raise _flow_error(exc, worker, pool) from None
+            raise self._decode_error(exc, d) from None
 
-    def _block_size(self) -> int:
-        info = next((w.info for w in self.decode.workers if w.info is not None), None)
-        return info.block_size if info is not None and info.block_size else 16
+    # -- errors --------------------------------------------------------------------------
+    def _decode_error(self, exc: grpc.aio.AioRpcError, d: WorkerHandle) -> Exception:
+        code = exc.code()
+        cause = cause_of_decode_error(code)
+        if cause is LostCause.DECODE_LOST:
+            self.decode.mark_failed(d)  # an unexpected worker fault: stop using it
+        if cause is not None:
+            return AttemptLost(cause, d, exc.details() or code.name)
+        return FlowError(code, f"decode worker {d.address}: {exc.details()}")
 
-    def _prompt_blocks(self, prompt: list[int]) -> PromptBlocks:
-        """The prompt's hashes and the leading blocks each worker holds (KV index, a hint)."""
-        hashes = self._hashes(prompt)
-        return PromptBlocks(hashes, self.decode.prefix.match(hashes) if hashes else {})
-
-    def _hashes(self, prompt: list[int]) -> list[bytes]:
-        info = next((w.info for w in self.decode.workers if w.info is not None), None)
-        if info is None or not info.hash_extra:
-            return []
-        return chain_hashes(prompt, info.block_size, info.hash_extra)
-
-    def _expect_blocks(self, worker: WorkerHandle, hashes: list[bytes]) -> None:
-        """Record at once that `worker` is about to hold this prompt's blocks. The worker's
-        own events confirm (or a snapshot corrects) this a poll later; without it, a burst of
-        requests for a new prefix would be spread before the index learns where it went."""
-        if self.routing == "kv" and hashes:
-            self.decode.prefix.store(worker.address, hashes, Tier.DEVICE)
-
-    def _pull_source(self, rid: str, d: WorkerHandle, blocks: PromptBlocks, prompt_tokens: int
-                     ) -> worker_pb.KVSource | None:
-        """Where D should pull the prompt's prefix from (policy.pick_pull_source), if any."""
-        others = [w for w in (*self.decode.healthy(), *self.prefill.healthy())
-                  if w.address != d.address and w.address in blocks.matches]
-        holders = [policy.Holder(i, blocks.matches[w.address].blocks,
-                                 blocks.matches[w.address].leading[0],
-                                 w.info.tp_size if w.info is not None else 0)
-                   for i, w in enumerate(others)]
-        h = policy.pick_pull_source(holders, blocks.held_by(d), prompt_tokens,
-                                    self._block_size(), self.local_prefill_tokens,
-                                    bool(self.prefill.healthy()))
-        if h is None:
-            return None
-        self.counters["kv_pulls_routed"] += 1
-        self._hint(rid, others[h.index], blocks)
-        return worker_pb.KVSource(address=others[h.index].address, blocks=h.blocks)
-
-    def _hint(self, rid: str, w: WorkerHandle, blocks: PromptBlocks) -> None:
-        """Fire-and-forget Prefetch of `w`'s matched blocks that sit in its host/SSD tiers."""
-        m = blocks.matches.get(w.address)
-        hashes = policy.prefetch_hashes(m.leading, blocks.hashes) if m is not None else []
-        if not hashes:
-            return
-        self.counters["prefetch_hints"] += 1
-        task = asyncio.create_task(self._prefetch(rid, w, hashes))
-        self._background.add(task)  # a reference, so the task is not collected mid-flight
-        task.add_done_callback(self._background.discard)
-
-    async def _prefetch(self, rid: str, w: WorkerHandle, hashes: list[bytes]) -> None:
-        try:
-            await w.stub.Prefetch(worker_pb.PrefetchRequest(request_id=rid, block_hashes=hashes),
-                                  timeout=PREFETCH_TIMEOUT_S)
-        except grpc.aio.AioRpcError:  # only a hint: the request goes on without it
-            self.counters["prefetch_hint_failures"] += 1
-
-    def _round_robin(self, role: str, healthy: list[WorkerHandle]) -> int | None:
-        if not healthy:
-            return None
-        self._turn[role] += 1
-        return self._turn[role] % len(healthy)
-
-    def _pick_decode(self, matches: dict[str, PrefixMatch],
-                     allowed: frozenset[str] | None = None) -> WorkerHandle:
-        healthy = [w for w in self.decode.healthy() if allowed is None or w.address in allowed]
-        if self.routing == "round-robin":
-            i = self._round_robin("decode", healthy)
-        else:
-            i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(healthy)])
-        if i is None:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy decode worker")
-        return healthy[i]
-
-    def _pick_prefill(self, prompt_tokens: int, matches: dict[str, PrefixMatch]
-                      ) -> WorkerHandle:
-        healthy = self.prefill.healthy()
-        if self.routing == "round-robin":
-            i = self._round_robin("prefill", healthy)
-        else:
-            i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(healthy)],
-                                    prompt_tokens, self._block_size())
-        if i is None:
-            raise FlowError(grpc.StatusCode.UNAVAILABLE, "no healthy prefill worker")
-        return healthy[i]
-
-
-def _load(i: int, w: WorkerHandle, matches: dict[str, PrefixMatch]) -> policy.Load:
-    s = w.stats
-    m = matches.get(w.address)
-    cached = policy.weighted_blocks(m.leading) if m is not None else 0.0
-    return policy.Load(i, int(s.queued_prefill_tokens), int(s.kv_blocks_used),
-                       int(s.kv_blocks_total), w.inflight, cached)
-
-
-def _flow_error(exc: grpc.aio.AioRpcError, worker: WorkerHandle, pool: WorkerPool) -> FlowError:
-    code = exc.code()
-    if code == grpc.StatusCode.UNKNOWN:
-        code = grpc.StatusCode.UNAVAILABLE  # an unexpected worker fault: stop using it
-    if code == grpc.StatusCode.UNAVAILABLE:
-        pool.mark_failed(worker)
-    if code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.ABORTED):
-        # The worker went away mid-call, or lost this request's KV: retryable by the client.
-        code = grpc.StatusCode.UNAVAILABLE
-    return FlowError(code, f"{worker.role} worker {worker.address}: {exc.details()}")
+    def _prefill_error(self, exc: grpc.aio.AioRpcError, p: WorkerHandle) -> Exception:
+        code = exc.code()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
+            self.prefill.mark_failed(p)
+        if prefill_lost(code):
+            return AttemptLost(LostCause.PREFILL_LOST, p, exc.details() or code.name)
+        return FlowError(code, f"prefill worker {p.address}: {exc.details()}")

@@ -2,37 +2,52 @@
 tokens into text (stop strings included), account usage. gRPC (`service.py`) and OpenAI HTTP
 map these typed chunks onto their own wire formats.
 
-    generate(req) ─► accepting? (else UNAVAILABLE: shutting down)
-                  ─► admission.decide(pool loads, request size, deadline)
-                       refused ─► Overloaded(RESOURCE_EXHAUSTED, retry_after_s), nothing sent
-                  ─► flow.run(..., decode workers admission allows) ─► chunks
+    generate(req, n) ─► accepting? (else UNAVAILABLE: shutting down)
+                     ─► gate.admit (router.gate: pool loads, request size, deadline)
+                          refused ─► Overloaded (RESOURCE_EXHAUSTED, retry_after_s), nothing sent
+                     ─► flow.run(..., decode workers admission allows) ─► chunks
 
-The admission inputs are the pools' stats and this router's own counts, read and updated with
-no await in between (the flow takes its decode worker before its first await), so a burst of
-requests sees each other's effect.
+One choice's chunks:
+
+    token chunk ... token chunk ─ last token chunk (finish_reason + usage)
+                                └ or, when the end was not foreseeable, an empty final chunk
+
+The router applies the engine's token-level stop rules (`pdserve.engine.stop`)
+to every token it receives, so it knows a token is the last one as soon as it arrives: that
+chunk waits only for the decode worker's `finished` event (sent in the same step) and carries
+the finish reason with the text, as OpenAI clients expect. A prompt's `n` choices are one
+flow (the decode worker forks them from the prompt's KV, computed once); their chunks, and
+those of a batch of prompts, interleave, each tagged with its `index`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import random
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.engine.finish import FinishReason
+from pdserve.engine.stop import apply_stop_rules
 from pdserve.observability.router_metrics import RouterMetrics, status_of
 from pdserve.proto import pb
 from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
-from router import admission, policy
 from router.config import RouterConfig
 from router.flow import FinishEvent, Flow, FlowError, FlowTimings, TokenEvent
-from router.pool import WorkerHandle, WorkerPool
+from router.gate import AdmissionGate, Overloaded
+from router.migration import MigrationPolicy
+from router.pool import WorkerPool
 from router.tokenize import TokenizerPool
 from router.validation import RequestLimits, ValidRequest
+
+__all__ = ["FinishRules", "Frontend", "OutputChunk", "Overloaded", "Usage", "UsageTotal"]
 
 log = logging.getLogger("router.requests")
 
@@ -46,181 +61,231 @@ class Usage:
 
 @dataclass(frozen=True)
 class OutputChunk:
-    """New tokens and text; `finish_reason` and `usage` are set on the last chunk only."""
+    """New tokens and text of one choice; `finish_reason` and `usage` are set on its last
+    chunk only."""
 
     token_ids: list[int]
     text: str
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    index: int = 0
+    """The choice (0 .. choices-1): prompt i, sample j of n is choice i * n + j."""
+    prompt_logprobs: list[pb.TokenLogprob] | None = None
+    """On a choice's first chunk, when prompt logprobs were asked."""
 
 
-class Overloaded(FlowError):
-    """Refused by admission control: RESOURCE_EXHAUSTED, retry after `retry_after_s`."""
+class UsageTotal:
+    """Usage of a request with several choices: each prompt counted once (its cache hit as
+    the least any of its choices had: what sharing among the choices saved is not a hit),
+    completion tokens summed over every choice."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self.retry_after_s = retry_after_s
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._prompts: dict[int, Usage] = {}
+        self._completion = 0
+        self.finished = 0
+
+    def add(self, u: Usage, index: int) -> None:
+        """The final usage of choice `index` (sample index % n of prompt index // n)."""
+        self.finished += 1
+        self._completion += u.completion_tokens
+        seen = self._prompts.get(index // self.n)
+        if seen is None or u.cached_tokens < seen.cached_tokens:
+            self._prompts[index // self.n] = u
+
+    def total(self) -> Usage:
+        return Usage(sum(u.prompt_tokens for u in self._prompts.values()), self._completion,
+                     sum(u.cached_tokens for u in self._prompts.values()))
+
+
+@dataclass(frozen=True)
+class FinishRules:
+    """What the engine stops on, so the router knows a request's last token on arrival."""
+
+    eos_token_ids: frozenset[int]
+    max_model_len: int
 
 
 class Frontend:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, prefill: WorkerPool,
                  decode: WorkerPool, metrics: RouterMetrics | None = None,
-                 limits: RequestLimits | None = None) -> None:
+                 rules: FinishRules | None = None, limits: RequestLimits | None = None
+                 ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
         self.tokens = TokenizerPool(tokenizer)
         self.limits = limits if limits is not None else RequestLimits(
             32768, tokenizer.vocab_size, tokenizer.max_token_bytes)
+        self.rules = rules
         self.prefill, self.decode = prefill, decode
+        self.gate = AdmissionGate(config, prefill, decode, self.limits, self.metrics)
+        self._rng = random.Random(uuid.uuid4().int)
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
-                         random.Random(uuid.uuid4().int), config.routing)
+                         random.Random(uuid.uuid4().int), config.routing,
+                         MigrationPolicy(limit=config.migration_limit))
         counters = self.flow.counters  # the dict the flow increments in place
         self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
         self.accepting = True  # False once shutting down: new requests get UNAVAILABLE
-        self._remaining: dict[str, int] = {}  # output tokens each request may still produce
-        self._remaining_sum = 0
-        # Prompt tokens of admitted requests sent to prefill workers and not prefilled yet
-        # (no first token): the prefill queue the workers' stats do not show yet.
-        self._prefilling: dict[str, int] = {}
-        self.slowdown = admission.Slowdown()  # streams' time per token vs the step models
-        self._last_token: dict[str, tuple[float, int]] = {}  # (when, events so far)
 
-    async def generate(self, req: ValidRequest, timeout_s: float | None
-                       ) -> AsyncIterator[OutputChunk]:
-        """Stream one request's output; raises `FlowError` with the status to return
-        (`Overloaded` when admission refuses it, before anything is sent)."""
+    async def generate_choices(self, reqs: Sequence[ValidRequest], n: int,
+                               timeout_s: float | None) -> AsyncIterator[OutputChunk]:
+        """Stream `n` choices of each request (prompt), interleaved, tagged with `index`;
+        raises `FlowError`. Each prompt's choices are one flow: the decode worker forks them
+        from the prompt's KV, computed once; choice j samples with `choice_seed(seed, j)`,
+        so seeded requests are reproducible and their choices distinct."""
+        if len(reqs) == 1:
+            async with aclosing(self.generate(reqs[0], timeout_s, n)) as chunks:
+                async for c in chunks:
+                    yield c
+            return
+        async with aclosing(_merge([self.generate(r, timeout_s, n, i * n)
+                                    for i, r in enumerate(reqs)])) as chunks:
+            async for c in chunks:
+                yield c
+
+    async def generate(self, req: ValidRequest, timeout_s: float | None, n: int = 1,
+                       base_index: int = 0) -> AsyncIterator[OutputChunk]:
+        """Stream the `n` choices of one prompt (indexes base_index ..); raises `FlowError`
+        with the status to return (`Overloaded` when admission refuses it, before anything
+        is sent)."""
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"  # unique on the workers
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
         if not self.accepting:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
-        p = req.params
-        text = TextStream(self.tokenizer, req.prompt_token_ids, p.stop,
-                          p.include_stop_str_in_output)
-        want_lp = p.logprobs is not None
-        n_prompt, sent = len(req.prompt_token_ids), 0
+        if n > 1 and req.params.seed is None:  # one seed for the request: its choices derive
+            req = dataclasses.replace(req, params=dataclasses.replace(
+                req.params, seed=self._rng.getrandbits(63)))
+        timings = FlowTimings()
         # The workers know the request by `rid`; its prefix is the client's id, when given.
-        trace = self.metrics.trace(rid, n_prompt, log)
-        self.inflight += 1
-        max_out = self._max_out(req)
+        choices = [_Choice(self, req, rid if j == 0 else f"{rid}.c{j}", base_index + j, n,
+                           timings) for j in range(n)]
+        left = n
+        prompt_lps: list[pb.TokenLogprob] | None = None
+        self.inflight += n
         try:
-            allowed = self._admit(req, max_out, timeout, rid)
-            self._track(rid, max_out)
-            async for ev in self.flow.run(rid, req, timeout, FlowTimings(),
+            allowed = self.gate.admit(rid, req, n, timeout)
+            async for ev in self.flow.run(rid, req, timeout, timings, n,
                                           decode_allowed=allowed):
+                c = choices[ev.index] if 0 <= ev.index < n else None
+                if c is None or c.done:
+                    continue  # a choice the router ended (a stop string)
                 if isinstance(ev, TokenEvent):
-                    self._prefilling.pop(rid, None)
-                    self._observe_itl(rid, len(ev.token_ids))
-                    self._track(rid, -len(ev.token_ids))
-                    sent += len(ev.token_ids)
-                    trace.on_tokens(len(ev.token_ids))
-                    delta = text.add(ev.token_ids)
-                    yield OutputChunk(ev.token_ids, delta.text, ev.logprobs if want_lp else [])
-                    if delta.stopped:
-                        trace.finish("OK")  # before the yield: the caller may stop reading
-                        yield OutputChunk([], "", [], "stop", Usage(n_prompt, sent, 0))
-                        return
-                elif isinstance(ev, FinishEvent):
-                    trace.finish("OK", ev.cached_tokens)
-                    yield OutputChunk([], text.finish().text, [], ev.reason,
-                                      Usage(n_prompt, sent, ev.cached_tokens))
+                    self.gate.on_tokens(rid, len(ev.token_ids))
+                    prompt_lps = prompt_lps or ev.prompt_logprobs or None
+                    out = c.on_tokens(ev, prompt_lps)
+                    if c.done and n > 1:
+                        self.flow.stop_choice(rid, ev.index)
+                else:
+                    out = [c.on_finish(ev)]
+                for chunk in out:
+                    yield chunk
+                left -= c.done
+                if left == 0:
                     return
-            trace.finish("INTERNAL")  # the flow always ends with a finish event or an error
+            for c in choices:  # the flow always ends every choice or raises
+                c.trace.finish("INTERNAL")
         except BaseException as exc:
-            trace.finish(status_of(exc))
+            for c in choices:
+                c.trace.finish(status_of(exc))
             raise
         finally:
-            self.inflight -= 1
-            self._track(rid, None)
-            self._prefilling.pop(rid, None)
-            self._last_token.pop(rid, None)
+            self.inflight -= n
+            self.gate.end(rid)
 
-    # -- admission -------------------------------------------------------------------------
-    def _max_out(self, req: ValidRequest) -> int:
-        room = self.limits.max_model_len - len(req.prompt_token_ids)
-        return max(min(req.params.max_tokens, room), 1)
-
-    def _admit(self, req: ValidRequest, max_out: int, timeout_s: float, rid: str
-               ) -> frozenset[str] | None:
-        """The decode workers that may take the request; `Overloaded` if none may. None when
-        there is none at all: the flow answers that (UNAVAILABLE, retryable)."""
-        healthy = self.decode.healthy()
-        if not healthy:
-            return None
-        n_prompt = len(req.prompt_token_ids)
-        remote = policy.prefill_remotely(n_prompt, 0, self.config.local_prefill_tokens,
-                                         bool(self.prefill.healthy()))
-        size = admission.RequestSize(n_prompt, max_out, timeout_s, remote)
-        mean = self._remaining_sum / len(self._remaining) if self._remaining else max_out
-        loads = [_decode_load(i, w, mean, self.slowdown) for i, w in enumerate(healthy)]
-        prefill = self.prefill.healthy()
-        pending = sum(self._prefilling.values()) / max(len(prefill), 1)  # the flow spreads it
-        pre = [_prefill_load(w, pending, self.slowdown) for w in prefill]
-        verdict = admission.decide(loads, pre, size, self.config.admission)
-        if not verdict.admitted:
-            raise Overloaded(f"over capacity: {verdict.reason}", verdict.retry_after_s)
-        if remote:
-            self._prefilling[rid] = n_prompt
-        return frozenset(healthy[i].address for i in verdict.workers)
-
-    def _observe_itl(self, rid: str, tokens: int) -> None:
-        """Time per token this stream saw since its previous tokens, against the decode
-        pool's step models. Not before its third event: the gap after the first token holds
-        the KV transfer and the wait for a batch slot, not decode steps."""
-        now = time.monotonic()
-        last, events = self._last_token.get(rid, (0.0, 0))
-        self._last_token[rid] = (now, events + 1)
-        if events < 2 or tokens < 1:
-            return
-        predicted = [m.seconds(min(max(occ, 1), seqs or occ or 1))
-                     for m, occ, seqs in self._decode_models()]
-        if predicted:
-            self.slowdown.observe((now - last) / tokens, sum(predicted) / len(predicted))
-            self.metrics.admission_slowdown.set(self.slowdown.factor)
-
-    def _decode_models(self):
-        for w in self.decode.healthy():
-            step = _step(w.stats)
-            if step is not None:
-                occ = max(int(w.stats.num_running + w.stats.num_waiting), w.inflight)
-                yield step, occ, w.info.max_num_seqs if w.info is not None else 0
-
-    def _track(self, rid: str, delta: int | None) -> None:
-        """The ledger of output tokens each request may still produce (None: it ended)."""
-        old = self._remaining.get(rid)
-        if delta is None:
-            if old is not None:
-                self._remaining_sum -= old
-                del self._remaining[rid]
-            return
-        new = max((old or 0) + delta, 0)
-        self._remaining[rid] = new
-        self._remaining_sum += new - (old or 0)
+    def _ends(self, p, n_prompt: int, n_output: int, tokens: list[int]) -> bool:
+        """Whether the engine's stop rules end the request with these tokens."""
+        if self.rules is None:
+            return False
+        _, reason = apply_stop_rules(p, n_prompt, n_output, tokens, self.rules.eos_token_ids,
+                                     self.rules.max_model_len)
+        return reason is not None
 
 
-def _step(stats) -> admission.StepTime | None:
-    m = stats.step_model
-    return admission.StepTime(m.step_base_s, m.step_per_token_s) if m.samples else None
+class _Choice:
+    """One choice's text (stop strings, detokenizing), trace, and the chunk held for its
+    foreseen end (the finish reason rides on the last token's chunk)."""
+
+    def __init__(self, frontend: Frontend, req: ValidRequest, rid: str, index: int,
+                 n: int, timings: FlowTimings) -> None:
+        p = req.params
+        self.frontend, self.params, self.index, self.timings = frontend, p, index, timings
+        self.text = TextStream(frontend.tokenizer, req.prompt_token_ids, p.stop,
+                               p.include_stop_str_in_output, req.skip_special_tokens)
+        self.n_prompt, self.sent = len(req.prompt_token_ids), 0
+        self.held: OutputChunk | None = None
+        self.first = True
+        self.done = False
+        self.trace = frontend.metrics.trace(rid, self.n_prompt, log, n=n,
+                                            max_tokens=p.max_tokens)
+
+    def on_tokens(self, ev: TokenEvent, prompt_lps) -> list[OutputChunk]:
+        out = []
+        if self.held is not None:  # rules disagreed with the worker's: not the end
+            out.append(self.held)
+            self.held = None
+        last = self.frontend._ends(self.params, self.n_prompt, self.sent, ev.token_ids)
+        self.sent += len(ev.token_ids)
+        self.trace.on_tokens(len(ev.token_ids))
+        delta = self.text.add(ev.token_ids, final=last)
+        lps = ev.logprobs if self.params.logprobs is not None else []
+        chunk = OutputChunk(ev.token_ids, delta.text, lps, index=self.index,
+                            prompt_logprobs=prompt_lps if self.first else None)
+        self.first = False
+        if delta.stopped:
+            t = self.timings
+            cached = t.prefill_cached_tokens if t.prefill_remote else 0
+            self.trace.finish("OK", cached, FinishReason.STOP,  # before the yield: the
+                              t.prefill_compute_s)  # caller may stop reading
+            self.done = True
+            out.append(dataclasses.replace(chunk, finish_reason=FinishReason.STOP,
+                                           usage=Usage(self.n_prompt, self.sent, cached)))
+        elif last:
+            self.held = chunk
+        else:
+            out.append(chunk)
+        return out
+
+    def on_finish(self, ev: FinishEvent) -> OutputChunk:
+        self.trace.finish("OK", ev.cached_tokens, ev.reason, self.timings.prefill_compute_s)
+        self.done = True
+        held = self.held or OutputChunk([], "", [], index=self.index)
+        return dataclasses.replace(held, text=held.text + self.text.finish().text,
+                                   finish_reason=ev.reason,
+                                   usage=Usage(self.n_prompt, self.sent, ev.cached_tokens))
 
 
-def _decode_load(i: int, w: WorkerHandle, mean_remaining: float,
-                 slowdown: admission.Slowdown) -> admission.DecodeLoad:
-    s, info = w.stats, w.info
-    return admission.DecodeLoad(
-        index=i, max_seqs=info.max_num_seqs if info is not None else 0,
-        kv_blocks_total=int(s.kv_blocks_total),
-        block_size=(info.block_size if info is not None else 0) or 16,
-        occupancy=max(int(s.num_running + s.num_waiting), w.inflight),
-        mean_remaining=mean_remaining, step=slowdown.scale(_step(s)))
+async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[OutputChunk]:
+    """Interleave several choices' chunks in arrival order. The first error ends it all;
+    leaving early (or an error) closes every stream, which cancels its flow."""
+    queue: asyncio.Queue = asyncio.Queue()
+    _END = object()
 
+    async def pump(stream: AsyncIterator[OutputChunk]) -> None:
+        try:
+            async with aclosing(stream) as chunks:
+                async for c in chunks:
+                    queue.put_nowait(c)
+            queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the consumer, which raises it
+            queue.put_nowait(exc)
 
-def _prefill_load(w: WorkerHandle, pending_tokens: float,
-                  slowdown: admission.Slowdown) -> admission.PrefillLoad:
-    """`pending_tokens`: this worker's share of what the router admitted and has not seen
-    prefilled (its stats lag by up to a poll period)."""
-    s, info = w.stats, w.info
-    queued = max(int(s.queued_prefill_tokens), int(pending_tokens))
-    budget = info.max_num_batched_tokens if info is not None else 0
-    return admission.PrefillLoad(queued, budget or 1024, slowdown.scale(_step(s)))
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is _END:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

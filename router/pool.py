@@ -1,7 +1,13 @@
 """Worker pools: channels, load figures and health, refreshed by polling `GetStats`.
 
-A worker that misses `health_misses` polls in a row (or answers a call with UNAVAILABLE)
-leaves its pool until it answers again; requests only ever go to healthy workers.
+Heartbeats: each worker is polled every `period_s` on its own (a worker that hangs never
+delays the others' polls). A worker whose last answer is older than `heartbeat_timeout_s`
+(it stopped answering: dead, stopped, cut off), or that fails a call with UNAVAILABLE, leaves
+its pool until it answers again; requests only ever go to healthy workers. Detection takes at
+most `heartbeat_timeout_s` plus one tick (`period_s / 2`). Flows that depend on a worker
+`watch` it and are told the moment it leaves (the router then migrates their requests).
+
+    poll ok ──► last_ok = now, healthy      now - last_ok > heartbeat_timeout_s ──► down
 
 Membership can change at run time (`add` / `remove`, driven by `router.membership` in
 discovery mode, or by an operator):
@@ -26,6 +32,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -42,6 +49,16 @@ _CHANNEL_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
 
+@dataclass(frozen=True)
+class PoolTotals:
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_queries: float
+    prefix_cache_hits: float
+    preemptions: float
+    block_size: int
+
+
 @dataclass
 class WorkerHandle:
     address: str
@@ -49,14 +66,15 @@ class WorkerHandle:
     channel: grpc.aio.Channel
     stub: worker_pb_grpc.WorkerStub
     healthy: bool = False
-    misses: int = 0
+    last_ok: float = field(default_factory=time.monotonic)  # of the last answered poll
     inflight: int = 0  # requests this router has sent and not yet seen finish
     stats: worker_pb.WorkerStats = field(default_factory=worker_pb.WorkerStats)
     info: worker_pb.WorkerInfo | None = None
-    # Set when the worker leaves its pool; flows that depend on it (a decode worker waiting
-    # for this prefill worker's KV) watch it. Replaced when the worker comes back.
+    # Set when the worker leaves its pool. Replaced when the worker comes back.
     down: asyncio.Event = field(default_factory=asyncio.Event)
     needs_snapshot: bool = True  # resync its KV index entries on the next poll
+    refuses_credentials: bool = False  # its last poll got UNAUTHENTICATED (logged once)
+    _watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def set_healthy(self, healthy: bool) -> None:
         if healthy and not self.healthy:
@@ -64,19 +82,31 @@ class WorkerHandle:
         elif not healthy and self.healthy:
             self.down.set()
             self.needs_snapshot = True
+            watchers, self._watchers = self._watchers, set()
+            for fn in watchers:
+                fn()
         self.healthy = healthy
+
+    def watch(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call `fn()` once, as soon as this worker leaves its pool (at once if it is out
+        already); returns the function that stops watching."""
+        if not self.healthy:
+            fn()
+            return lambda: None
+        self._watchers.add(fn)
+        return lambda: self._watchers.discard(fn)
 
 
 class WorkerPool:
     def __init__(self, role: str, addresses: tuple[str, ...], period_s: float,
-                 max_misses: int, prefix: PrefixIndex | None = None,
+                 heartbeat_timeout_s: float, prefix: PrefixIndex | None = None,
                  events_from_stats: bool = True, linger_s: float | None = None,
                  security: ClientSecurity | None = None) -> None:
         self.role = role
         self.security = security or ClientSecurity()  # TLS and cluster secret to workers
         self.workers: list[WorkerHandle] = []  # members; only their healthy ones are routable
         self.period_s = period_s
-        self.max_misses = max_misses
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         # A removed worker's channel stays open at least this long once idle: fire-and-forget
         # calls (prefetch hints) do not count in `inflight`.
         self.linger_s = 2 * period_s if linger_s is None else linger_s
@@ -88,11 +118,31 @@ class WorkerPool:
         self._retiring: dict[str, tuple[WorkerHandle, float]] = {}  # address → (handle, since)
         self._wake = asyncio.Event()  # a member joined: poll now, not a period later
         self._task: asyncio.Task | None = None
+        self._polls: dict[str, tuple[asyncio.Task, float]] = {}  # address → (poll, started)
         for address in addresses:
             self.add(address)
 
     def healthy(self) -> list[WorkerHandle]:
         return [w for w in self.workers if w.healthy]
+
+    def totals(self) -> PoolTotals:
+        """KV blocks and cache counters summed over the healthy members' last stats."""
+        live = self.healthy()
+        counter = lambda name: sum(w.stats.counters.get(name, 0.0) for w in live)  # noqa: E731
+        sizes = [w.info.block_size for w in live if w.info is not None and w.info.block_size]
+        return PoolTotals(sum(w.stats.kv_blocks_used for w in live),
+                          sum(w.stats.kv_blocks_total for w in live),
+                          counter("prefix_cache_queries"), counter("prefix_cache_hits"),
+                          counter("num_preemptions"), sizes[0] if sizes else 0)
+
+    async def refresh_stats(self, timeout_s: float = 1.0) -> None:
+        """Fresh load figures of the healthy members now (a metrics scrape), without taking
+        their KV events or judging their health: the poll loop owns both."""
+        async def one(w: WorkerHandle) -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                w.stats = await w.stub.GetStats(worker_pb.StatsRequest(), timeout=timeout_s)
+
+        await asyncio.gather(*(one(w) for w in self.healthy()))
 
     def add(self, address: str) -> WorkerHandle:
         """Make `address` a member (idempotent). A retiring worker gets its handle back; a new
@@ -129,6 +179,8 @@ class WorkerPool:
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
+        for task, _ in self._polls.values():
+            task.cancel()
         for w in [*self.workers, *(w for w, _ in self._retiring.values())]:
             await w.channel.close()
         self._retiring.clear()
@@ -160,7 +212,6 @@ class WorkerPool:
         if worker.healthy:
             log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
         worker.set_healthy(False)
-        worker.misses = self.max_misses
         self._forget_blocks(worker)
 
     async def poll_once(self) -> None:
@@ -169,20 +220,45 @@ class WorkerPool:
                              *(self._poll(w, False) for w in retiring))
 
     async def _poll_forever(self) -> None:
+        tick = min(self.period_s, self.heartbeat_timeout_s) / 2
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.period_s)
+                await asyncio.wait_for(self._wake.wait(), tick)
+            woken, now = self._wake.is_set(), time.monotonic()
             self._wake.clear()
-            await self.poll_once()
-            # Here, between polls, no call of ours is open on a channel this closes.
+            self._start_polls(now, woken)
+            self._expire(now)
             await self._close_retired()
+
+    def _start_polls(self, now: float, all_now: bool) -> None:
+        """One poll in flight per worker at most, started a period after the last one."""
+        retiring = [w for w, _ in self._retiring.values()]
+        for w, member in [*((w, True) for w in self.workers), *((w, False) for w in retiring)]:
+            if self._polling(w.address):
+                continue
+            if all_now or now - self._polls.get(w.address, (None, 0.0))[1] >= self.period_s:
+                self._polls[w.address] = (asyncio.create_task(self._poll(w, member)), now)
+
+    def _polling(self, address: str) -> bool:
+        task = self._polls.get(address, (None, 0.0))[0]
+        return task is not None and not task.done()
+
+    def _expire(self, now: float) -> None:
+        """Take out the workers whose last answer is older than the heartbeat timeout."""
+        for w in [*self.workers, *(w for w, _ in self._retiring.values())]:
+            if w.healthy and now - w.last_ok > self.heartbeat_timeout_s:
+                log.warning("%s worker %s did not answer for %.1fs; out of the pool",
+                            self.role, w.address, now - w.last_ok)
+                w.set_healthy(False)
+                self._forget_blocks(w)
 
     async def _close_retired(self) -> None:
         now = time.monotonic()
         idle = [a for a, (w, since) in self._retiring.items()
-                if w.inflight == 0 and now - since >= self.linger_s]
+                if w.inflight == 0 and now - since >= self.linger_s and not self._polling(a)]
         for address in idle:
             w, _ = self._retiring.pop(address)
+            self._polls.pop(address, None)
             w.set_healthy(False)
             self._forget_blocks(w)  # events a poll took while it was being removed
             await w.channel.close()
@@ -191,31 +267,28 @@ class WorkerPool:
     async def _poll(self, w: WorkerHandle, member: bool) -> None:
         take = member and self.events_from_stats  # a retiring worker is polled for health only
         snapshot = take and w.needs_snapshot
+        # Workers answer from a snapshot, so even a busy one replies in milliseconds; a late
+        # answer still counts (the heartbeat timeout, not this one, takes a worker out).
+        timeout = self.heartbeat_timeout_s
         try:
             if w.info is None or not w.healthy:  # a worker back from the dead: read afresh
-                w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=self.period_s)
-            # Workers answer from a snapshot, so even a busy one replies in milliseconds;
-            # the slack covers a starved machine, not a slow engine step.
+                w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=timeout)
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
-            stats = await w.stub.GetStats(request, timeout=2 * self.period_s)
+            stats = await w.stub.GetStats(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            w.misses += 1
-            if exc.code() is grpc.StatusCode.UNAUTHENTICATED and w.misses == self.max_misses:
+            if exc.code() is grpc.StatusCode.UNAUTHENTICATED and not w.refuses_credentials:
+                w.refuses_credentials = True  # said once per streak, not every poll
                 log.warning("%s worker %s refuses the router's credentials (%s): is it in "
                             "another cluster (cluster secret, CA)?", self.role, w.address,
                             exc.details())
-            if w.misses >= self.max_misses and w.healthy:
-                log.warning("%s worker %s missed %d polls; out of the pool",
-                            self.role, w.address, w.misses)
-                w.set_healthy(False)
-                self._forget_blocks(w)
-            return
+            return  # `_expire` takes it out once its last answer is too old
         w.stats = stats
+        w.last_ok = time.monotonic()
+        w.refuses_credentials = False
         if take:
             self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)
-        w.misses = 0
         w.set_healthy(True)
 
     def _forget_blocks(self, w: WorkerHandle) -> None:

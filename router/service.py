@@ -5,8 +5,9 @@ request itself: a malformed message is INVALID_ARGUMENT, not the UNKNOWN grpc an
 own deserializer fails. The server's receive limit (`RequestLimits.max_message_bytes`) refuses
 anything larger before it is read (gRPC's own RESOURCE_EXHAUSTED, without a retry hint).
 
-    Generate: parse ─► check_generate (no tokenizer) ─► tokenise off the loop ─► complete
-              ─► frontend.generate (admission, flow) ─► responses
+    Generate: parse ─► a chat: check_chat (bytes), its template off the loop (router.tokenize)
+              ─► check_generate (no tokenizer) ─► tokenise off the loop ─► complete
+              ─► check_constraint ─► frontend (admission, flow) ─► responses (grpc_chat)
     A refusal by admission (or a busy tokenizer) is RESOURCE_EXHAUSTED with trailing metadata
     `retry-after-ms`; the SDK waits that long before it retries.
 """
@@ -22,9 +23,11 @@ from google.protobuf.message import DecodeError
 
 from pdserve.proto import pb
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk, Overloaded
+from router.frontend import Frontend, Overloaded
+from router.grpc_chat import check_constraint, prepare_request, stream_choices
+from router.openai.tools import ToolConfig
 from router.tokenize import TokenizerBusy
-from router.validation import RequestError, check_generate, complete
+from router.validation import check_chat, check_generate, complete
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +35,12 @@ SERVICE = "pdserve.v1.PDServe"
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata of a RESOURCE_EXHAUSTED: milliseconds to wait before trying again."""
 
-_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, "stop": pb.FINISH_REASON_STOP,
-           "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
-
 
 class PDServeService:
-    def __init__(self, frontend: Frontend, max_model_len: int, model_id: str) -> None:
+    def __init__(self, frontend: Frontend, max_model_len: int, model_id: str,
+                 tools: ToolConfig | None = None) -> None:
         self.frontend = frontend
+        self.tools = tools or ToolConfig()
         self.max_model_len = max_model_len
         self.model_id = model_id
 
@@ -58,21 +60,26 @@ class PDServeService:
 
     async def Generate(self, raw: bytes, context):
         request = await _parse(pb.GenerateRequest, raw, context)
-        limits = self.frontend.limits
+        limits, tokens = self.frontend.limits, self.frontend.tokens
         try:
+            if request.WhichOneof("prompt") == "chat":
+                check_chat(request.chat, limits)  # before the template renders it
+            request, tools = await prepare_request(request, tokens, self.tools)
             inp = check_generate(request, limits, self.model_id)
             ids = inp.token_ids
             if inp.text is not None:
-                ids = await self.frontend.tokens.encode(inp.text)
+                ids = await tokens.encode(inp.text)
             req = complete(inp, ids, limits)
-        except RequestError as exc:
+            await check_constraint(req)
+        except ValueError as exc:  # RequestError, a chat the template refuses, a bad schema
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except TokenizerBusy as exc:
             await _abort_retry(context, str(exc), exc.retry_after_s)
         public_id = req.request_id or uuid.uuid4().hex
         try:
-            async for chunk in self.frontend.generate(req, context.time_remaining()):
-                yield _to_pb(public_id, chunk)
+            async for msg in stream_choices(self.frontend, req, request.n, public_id, tools,
+                                            self.tools, context.time_remaining()):
+                yield msg
         except Overloaded as exc:
             await _abort_retry(context, str(exc), exc.retry_after_s)
         except FlowError as exc:
@@ -99,13 +106,3 @@ async def _abort_retry(context, message: str, retry_after_s: float) -> None:
     ms = max(int(retry_after_s * 1000), 1)
     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message,
                         trailing_metadata=((RETRY_AFTER_KEY, str(ms)),))
-
-
-def _to_pb(rid: str, c: OutputChunk) -> pb.GenerateResponse:
-    msg = pb.GenerateResponse(request_id=rid, token_ids=c.token_ids, text=c.text,
-                              logprobs=c.logprobs, finish_reason=_FINISH[c.finish_reason])
-    if c.usage is not None:
-        msg.usage.CopyFrom(pb.Usage(prompt_tokens=c.usage.prompt_tokens,
-                                    completion_tokens=c.usage.completion_tokens,
-                                    cached_tokens=c.usage.cached_tokens))
-    return msg

@@ -14,9 +14,14 @@ interpreter switches between, so the loop keeps turning).
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from pdserve.tokenizer import Tokenizer
+
+T = TypeVar("T")
 
 INLINE_CHARS = 2048
 """Texts up to this many characters are tokenised on the loop: microseconds of work."""
@@ -40,20 +45,17 @@ class TokenizerPool:
     async def encode(self, text: str) -> list[int]:
         if len(text) <= INLINE_CHARS:
             return self.tokenizer.encode(text)
-        return await self._run(self.tokenizer.encode, text)
+        return await self.run(self.tokenizer.encode, text)
 
-    async def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Raises ValueError when the model has no template or the template refuses them."""
-        if sum(len(m.get("content", "")) for m in messages) <= INLINE_CHARS:
-            return self.tokenizer.encode_chat(messages)
-        return await self._run(self.tokenizer.encode_chat, messages)
-
-    async def _run(self, fn, arg):
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` on the pool: tokenizer work whose size was bounded before (a chat
+        template's rendering, bounded by `validation.check_chat`)."""
         if self.pending >= self.max_pending:
             raise TokenizerBusy(self.pending, retry_after_s=0.5)
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, arg)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, functools.partial(fn, *args))
         finally:
             self.pending -= 1
 

@@ -81,6 +81,8 @@ class ValidRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    skip_special_tokens: bool = True
+    """Leave special tokens (EOS, chat markers) out of the output text."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,24 @@ def _utf8_len(text: str, param: str) -> int:
         raise RequestError(f"{param} is not valid Unicode", param) from None
 
 
+def check_chat(chat: pb.ChatPrompt, limits: RequestLimits) -> None:
+    """Refuse a conversation too long to fit the context before its template renders it:
+    its texts (contents, tool definitions and calls) are bounded by bytes as a text prompt
+    is, and each message renders to at least one token."""
+    if len(chat.messages) >= limits.max_model_len:
+        raise RequestError(f"chat has {len(chat.messages)} messages; the model's context is "
+                           f"{limits.max_model_len} tokens", "messages")
+    texts = [m.content for m in chat.messages]
+    texts += [c.arguments_json for m in chat.messages for c in m.tool_calls]
+    texts += [t.description + t.parameters_json for t in chat.tools]
+    texts.append(chat.chat_template_kwargs_json)
+    size = sum(_utf8_len(t, "messages") for t in texts)
+    if size > limits.max_prompt_bytes:
+        raise RequestError(
+            f"chat is longer than {limits.max_prompt_bytes} bytes: more tokens than the "
+            f"model's context ({limits.max_model_len}) can hold", "messages")
+
+
 def check_prompt_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
     """Token ids the workers accept: non-empty, in the vocabulary, leaving room for output."""
     if not ids:
@@ -122,8 +142,8 @@ def check_prompt_ids(ids: list[int], limits: RequestLimits, param: str) -> None:
                            f"{limits.max_model_len} tokens", param)
     bad = [t for t in ids if not 0 <= t < limits.vocab_size]
     if bad:
-        raise RequestError(f"{param} contains token ids outside [0, {limits.vocab_size}): "
-                           f"{bad[:5]}", param)
+        raise RequestError(f"{param} contains token ids out of vocabulary (outside "
+                           f"[0, {limits.vocab_size})): {bad[:5]}", param)
 
 
 def check_params(p: SamplingParams, limits: RequestLimits, max_field: str = "max_tokens"

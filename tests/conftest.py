@@ -77,6 +77,42 @@ def tiny_qwen3_moe(tmp_path_factory):
 
     return save_tiny(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=7,
                      initializer_range=0.2)
+# The real default model (SmolLM2-135M-Instruct): prepared once per session into a private
+# cache, with one engine and one HF transformers reference shared by every test that needs it.
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory):
+    from tests.helpers.real_model import require_default_model
+
+    require_default_model()
+    from pdserve.default_model import ensure_default_model
+
+    cache = tmp_path_factory.mktemp("pdserve-cache")
+    ensure_default_model(cache, progress=None)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def default_model(default_model_cache):
+    from pdserve.default_model import prepared_dir
+
+    return prepared_dir(default_model_cache)
+
+
+@pytest.fixture(scope="session")
+def default_model_engine_ref(default_model):
+    from tests.helpers.real_model import engine_reference
+
+    return engine_reference(default_model)
+
+
+@pytest.fixture(scope="session")
+def default_model_hf_ref(default_model_engine_ref):
+    pytest.importorskip("accelerate")
+    from pdserve.default_model import source_file
+    from tests.helpers.real_model import hf_reference
+
+    ref = default_model_engine_ref
+    return hf_reference(source_file(), ref["prompt_ids"], ref["greedy"])
 
 
 # Directories whose tests start real processes; everything else is a unit test.

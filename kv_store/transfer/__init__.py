@@ -12,9 +12,11 @@ tensors move as tensors. Per-request state machines are described in `state`.
 Modules: `config` (TransferConfig), `state` (lifecycle, results, errors), `wire` (framing and
 version), `rendezvous` (pair opening), `channel` (process groups of one pair), `sender_pair` /
 `receiver_pair` (one pair's threads), `sender` / `receiver` (the two engines), `checks`
-(argument validation), `stats`.
+(argument validation), `stats`, `auth` (authenticated pairs, and the tickets that bind a
+transfer to the hand-off that announced it: `new_ticket`).
 """
 
+from kv_store.transfer.auth import new_ticket
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.receiver import KVReceiver, ReceiveSink
 from kv_store.transfer.sender import KVSender
@@ -30,4 +32,5 @@ __all__ = [
     "TransferError",
     "TransferResult",
     "TransferState",
+    "new_ticket",
 ]

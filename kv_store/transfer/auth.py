@@ -18,19 +18,34 @@ from the cluster secret (`pdserve.serving.security.secret.KV_PURPOSE`):
 Payload tensors follow their sealed header and are not MAC'd: their shape, dtype, layer,
 blocks and request id are, and the bytes move in the clear over gloo/NCCL (the data network
 must be private: docs/architecture.md, "Security").
+
+A pair key proves that a frame comes from *some* holder of the cluster secret. Which request
+it may write into is proved by the request's ticket: a random key that the receiving worker
+makes when it reserves the blocks, and hands out only over the authenticated gRPC hand-off
+(`DecodeReady.kv_ticket` ─► router ─► `KVTarget.kv_ticket` / `PushKVRequest.kv_ticket`):
+
+    header{rid, layer, blocks, ..., lease_s, tag = HMAC(ticket, every other field)}
+
+The receiver checks the tag against the ticket it holds for that request now, so a cluster
+member that was not handed this transfer, or a late frame of an earlier transfer of the same
+request id (another ticket), is refused. The ticket itself never travels on the data network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import os
 from dataclasses import dataclass
 
-from kv_store.transfer.wire import ProtocolError
+import msgpack
+
+from kv_store.transfer.wire import Header, ProtocolError
 
 MAC_BYTES = 32
 NONCE_BYTES = 16
+TICKET_BYTES = 16
 
 
 def new_nonce() -> bytes:
@@ -119,3 +134,32 @@ class FrameAuth:
         if sender:
             return cls(Sealer(keys.forward), Opener(keys.backward))
         return cls(Sealer(keys.backward), Opener(keys.forward))
+
+
+def new_ticket() -> bytes:
+    """A fresh ticket for one transfer (made by whoever reserves the blocks it fills)."""
+    return os.urandom(TICKET_BYTES)
+
+
+def check_ticket(ticket: bytes) -> None:
+    """`ValueError` unless `ticket` is b"" (an unbound transfer) or a ticket-sized key."""
+    if not isinstance(ticket, bytes) or len(ticket) not in (0, TICKET_BYTES):
+        raise ValueError(f"a ticket must be b'' or {TICKET_BYTES} bytes, got "
+                         f"{len(ticket) if isinstance(ticket, bytes) else type(ticket).__name__}")
+
+
+def ticket_tag(ticket: bytes, h: Header) -> bytes:
+    """HMAC of every field of `h` but `tag`, under `ticket`."""
+    return _mac(ticket, b"ticket", h.kind.value, h.rid, h.layer,
+                msgpack.packb(list(h.blocks)), msgpack.packb(list(h.shape)), h.dtype,
+                h.head_start, bytes(h.body), h.reason, float(h.lease_s))
+
+
+def tagged(h: Header, ticket: bytes) -> Header:
+    """`h` with its tag under `ticket` (unchanged for an unbound transfer: b"")."""
+    return dataclasses.replace(h, tag=ticket_tag(ticket, h)) if ticket else h
+
+
+def tag_matches(ticket: bytes, h: Header) -> bool:
+    """True if `h` was tagged under `ticket` (constant time)."""
+    return bool(ticket) and hmac.compare_digest(ticket_tag(ticket, h), h.tag)

@@ -52,9 +52,9 @@ def build_channel(
     gloo = ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, 2, opts)
     nccl = None
     if cuda_device is not None:
-        # Our own waits (transfer_timeout_s) time out first and abort the group; the NCCL
+        # Our own waits (io_timeout_s) time out first and abort the group; the NCCL
         # watchdog's limit is only a backstop, since by default it tears the process down.
-        watchdog_s = config.connect_timeout_s + 2 * config.transfer_timeout_s
+        watchdog_s = config.connect_timeout_s + 2 * config.io_timeout_s
         nccl = _nccl_group(dist.PrefixStore("nccl/", store), rank, watchdog_s)
     return Channel(gloo, rank, nccl, cuda_device, auth)
 
@@ -84,6 +84,7 @@ class Channel:
         self._peer = 1 - rank
         self._device = cuda_device if nccl is not None else torch.device("cpu")
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # seal, post and wait one message at a time
         self._aborted = False
 
     @property
@@ -92,8 +93,10 @@ class Channel:
         return self._device
 
     def send(self, tag: int, header: Header, payload: torch.Tensor | None, timeout_s: float) -> int:
-        """Send one message and wait until the backend is done with it; return payload bytes."""
-        with self._closed_on_error(), self._on_device():
+        """Send one message and wait until the backend is done with it; return payload bytes.
+        Thread-safe: a receiver's pair thread (slot grants) and its watchdog (close requests)
+        both write the backward direction, and sealed frames must go out in sequence order."""
+        with self._send_lock, self._closed_on_error(), self._on_device():
             works = self._post_header(tag, wire.encode_header(header))
             nbytes = 0
             if payload is not None:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 
-import msgpack
 import torch
 
 from kv_store.transfer import wire
@@ -18,13 +18,19 @@ def check_request_id(request_id: str) -> None:
         raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
 
 
-def check_meta(meta: dict) -> None:
-    if not isinstance(meta, dict):
-        raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
-    try:
-        msgpack.packb(meta, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise ValueError(f"meta must be msgpack-serialisable: {exc}") from exc
+def check_body(body: bytes) -> None:
+    if not isinstance(body, bytes | bytearray):
+        raise ValueError(f"body must be bytes, got {type(body).__name__}")
+    if len(body) > wire.MAX_BODY_BYTES:
+        raise ValueError(f"body has {len(body)} bytes; at most {wire.MAX_BODY_BYTES}")
+
+
+def check_lease(lease_s: float | None) -> None:
+    if lease_s is None:
+        return
+    if (isinstance(lease_s, bool) or not isinstance(lease_s, int | float)
+            or not math.isfinite(lease_s) or lease_s < 0):
+        raise ValueError(f"lease_s must be a finite number >= 0, got {lease_s!r}")
 
 
 def check_layer(

@@ -12,20 +12,25 @@ class TransferConfig:
     """Timeouts, limits and backend choice of one `KVSender` or `KVReceiver`."""
 
     backend: str = "auto"
-    """Payload transport: "auto" (NCCL for CUDA tensors, gloo for CPU tensors), "gloo" (CUDA
-    tensors are staged through host memory) or "nccl" (CPU tensors are rejected). Control
-    messages always travel over gloo."""
+    """torch.distributed payload transport: "auto" (NCCL for CUDA tensors, gloo for CPU
+    tensors), "gloo" (CUDA tensors are staged through host memory) or "nccl" (CPU tensors are
+    rejected). Control messages always travel over gloo. A sender or receiver given a NIXL
+    agent moves payloads through NIXL instead, to every receiver that offered a landing pool
+    (`KVSender.add_peer`); this choice then covers the others."""
 
     connect_timeout_s: float = 10.0
     """Longest wait for the TCPStore connection and the pair rendezvous of a new pair."""
 
-    transfer_timeout_s: float = 30.0
-    """Sender: longest wait for one wire operation and from `finish()` to the DONE marker being
-    sent. Receiver: longest time from a request's first message to its DONE marker."""
+    io_timeout_s: float = 30.0
+    """Longest one wire operation (sending or receiving one message) may block: a pair whose
+    peer stops reading or writing breaks after it."""
 
     lease_s: float = 60.0
-    """Sender-side lease: a transfer not completed this long after its first call fails, its
-    queued layers are dropped and the receiver is told (abort)."""
+    """Longest lease a transfer may hold, and the lease of one whose caller names none. A
+    transfer's lease starts with its first call on the sender; when it ends before the DONE
+    marker is on the wire, the sender drops the queued layers and tells the receiver (abort),
+    and the receiver, told the lease's remainder in every header, gives up at the same time.
+    Workers name every lease (`pdserve.serving.kv_lease.LeaseConfig`)."""
 
     max_pairs: int = 64
     """Most pair groups this process keeps open; the least recently used idle pair is closed to
@@ -55,6 +60,19 @@ class TransferConfig:
     the address this machine uses to reach the receiver). A worker passes its `--host`, so
     nothing it opens listens on another interface."""
 
+    nixl_pool_bytes: int = 64 << 20
+    """Receiver with a NIXL agent: bytes of its landing pool, registered once, into which
+    senders write payloads before their LAYER header (`nixl_path`)."""
+
+    nixl_slot_bytes: int = 4 << 20
+    """Size of one landing slot; a larger payload is sent in several chunks of whole
+    blocks (a single block larger than a slot travels inline over gloo)."""
+
+    nixl_slots_per_pair: int = 4
+    """Slots a receiver grants each NIXL pair (fewer when the pool runs low; none: that
+    pair's payloads travel inline). Two or more let a sender write one while the receiver
+    copies another out."""
+
     auth_key: bytes | None = field(default=None, repr=False)
     """KV key derived from the cluster secret (`InternalSecurity.kv_key`): pairs are opened
     only between ends that hold it and every header is sealed (`auth`). None = open pairs
@@ -67,16 +85,19 @@ class TransferConfig:
             raise ValueError(
                 f"TransferConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in (
-            "connect_timeout_s", "transfer_timeout_s", "lease_s", "idle_timeout_s",
+            "connect_timeout_s", "io_timeout_s", "lease_s", "idle_timeout_s",
             "close_timeout_s", "poll_interval_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
-        for name in ("max_pairs", "max_message_bytes", "history_size"):
+        for name in ("max_pairs", "max_message_bytes", "history_size", "nixl_pool_bytes",
+                     "nixl_slot_bytes", "nixl_slots_per_pair"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
+        if self.nixl_slot_bytes > self.nixl_pool_bytes:
+            raise ValueError("TransferConfig.nixl_slot_bytes must not exceed nixl_pool_bytes")
         if self.cuda_device is not None and (
             not isinstance(self.cuda_device, int) or self.cuda_device < 0
         ):

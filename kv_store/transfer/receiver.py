@@ -5,6 +5,25 @@ least recently used idle pair is asked to close to make room), and the receive-s
 every request (state and deadline). Three kinds of threads: one accept loop, one receive loop
 per pair, one watchdog for deadlines. Sink calls for one request never overlap and never follow
 its terminal call (`on_done` or `on_failed`, exactly one of which is made per request).
+
+With a NIXL agent (`nixl`), the receiver also registers a landing pool once and offers it in
+`nixl_descriptor` (for the owner to hand out over its authenticated control plane); pairs
+whose hello names transport "nixl" get slots of it (`nixl_path`), and their payloads reach the
+sink as views of those slots. Nothing else differs between transports.
+
+A request's deadline is its sender's lease: every LAYER/DONE header says what is left of it,
+and the request fails (`on_failed`) when it runs out before the DONE marker arrived.
+
+With a ticket book (`tickets`: the ticket of each request the owner expects now, handed out
+with its reservation) every LAYER/DONE/ABORT header must carry the tag of its request's
+current ticket (`auth.ticket_tag`) before it may touch a record, so no frame of another
+transfer (a cluster member that was not handed it, a late frame of an earlier attempt under
+the same id) writes into it, ends it, or ties it to a pair that then goes down:
+
+    header ─► tickets(rid) ─ None (not expected: ended, never reserved) ─► dropped
+                 │ ticket
+                 ├─ tag wrong ─► refused (counted in `frames_refused`), the pair goes on
+                 └─ tag right ─► the request's record, as below
 """
 
 from __future__ import annotations
@@ -14,6 +33,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -24,6 +44,9 @@ import torch.distributed as dist
 from kv_store.transfer import auth, rendezvous
 from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import LandingPool, NixlReceive
+from kv_store.transfer.payload import InlineReceive, ReceivePath
 from kv_store.transfer.receiver_pair import ReceiverPair
 from kv_store.transfer.rendezvous import Hello, Reply
 from kv_store.transfer.state import History, TransferState, check_transition
@@ -39,12 +62,13 @@ class ReceiveSink(Protocol):
 
     def on_layer(self, request_id: str, layer: int, block_ids: list[int], kv: torch.Tensor,
                  head_start: int = 0) -> None:
-        """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. A sink that
-        receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes the keyword;
-        it is only passed when non-zero."""
+        """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. `kv` is valid
+        only during the call (it may be a view of a NIXL landing slot): copy what you keep. A
+        sink that receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes
+        the keyword; it is only passed when non-zero."""
 
-    def on_done(self, request_id: str, meta: dict) -> None:
-        """Every layer of the request arrived; `meta` is what the sender passed to finish()."""
+    def on_done(self, request_id: str, body: bytes) -> None:
+        """Every layer of the request arrived; `body` is what the sender passed to finish()."""
 
     def on_failed(self, request_id: str, reason: str) -> None:
         """The sender aborted, the pair died mid-transfer, or the request timed out."""
@@ -66,14 +90,21 @@ class KVReceiver:
     """Accepts pairs from senders and delivers their layers to `sink`."""
 
     def __init__(
-        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None
+        self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None,
+        tickets: Callable[[str], bytes | None] | None = None,
+        nixl: NixlAgent | None = None, nixl_device: torch.device | None = None,
     ) -> None:
+        """`tickets(wire request id)`: the ticket that request's frames must be tagged under,
+        None if it is not expected (see the module docstring); None = frames are not bound
+        to tickets (transport tools and tests). `nixl`: this process's NIXL agent, with
+        which the landing pool is registered (on `nixl_device`, default the CPU)."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {type(host).__name__}")
         if not isinstance(port, int) or not 0 <= port < 65536:
             raise ValueError(f"port must be an int in 0..65535, got {port!r}")
         self._config = config or TransferConfig()
         self._sink = sink
+        self._tickets = tickets
         self._host = host
         # Listen on exactly `host`: a TCPStore left to itself binds every interface.
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -89,6 +120,13 @@ class KVReceiver:
                                     wait_for_workers=False, master_listen_fd=listener.detach())
         shown = f"[{host}]" if ":" in host else host
         self.address = f"{shown}:{self._store.port}"
+        self._pool: LandingPool | None = None
+        if nixl is not None:
+            self._pool = LandingPool(nixl, self._config.nixl_pool_bytes,
+                                     self._config.nixl_slot_bytes, nixl_device,
+                                     quarantine_s=self._config.io_timeout_s)
+        self.nixl_descriptor = self._pool.descriptor.encode() if self._pool else b""
+        """What a sender needs to write into this receiver's landing pool (b"": none)."""
         self._lock = threading.Lock()
         self._pairs: OrderedDict[int, ReceiverPair] = OrderedDict()
         self._bound: dict[ReceiverPair, set[str]] = {}
@@ -141,7 +179,10 @@ class KVReceiver:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records)}
+            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records),
+                     "pairs_nixl": sum(1 for p in self._pairs.values() if p.nixl)}
+        if self._pool is not None:
+            extra["nixl_slots_free"] = self._pool.num_free
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:
@@ -160,6 +201,8 @@ class KVReceiver:
             leftover = list(self._records.values())
         for rec in leftover:
             self._fail(rec, "receiver closed")
+        if self._pool is not None:
+            self._pool.close()
         self._store = None  # the store server stops with its last reference
 
     def __enter__(self) -> KVReceiver:
@@ -171,14 +214,16 @@ class KVReceiver:
     # ---- pair handler (called from pair threads) ---------------------------------------------
 
     def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
-        rec = self._record_for(pair, header.rid)
+        if not self._ticket_ok(pair, header):
+            return
+        rec = self._record_for(pair, header)
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
-            self._stats.add_received(payload.numel() * payload.element_size())
+            self._stats.add_received(payload.numel() * payload.element_size(), header.slot >= 0)
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
-            self._deliver_done(rec, header.meta)
+            self._deliver_done(rec, header.body)
         else:
             self._fail(rec, f"sender aborted: {header.reason}")
 
@@ -193,16 +238,34 @@ class KVReceiver:
 
     # ---- delivery ----------------------------------------------------------------------------
 
-    def _record_for(self, pair: ReceiverPair, request_id: str) -> _Inbound | None:
+    def _ticket_ok(self, pair: ReceiverPair, header: Header) -> bool:
+        """May this frame go to its request? (See the module docstring.)"""
+        if self._tickets is None:
+            return True
+        ticket = self._tickets(header.rid)
+        if ticket is None:
+            log.debug("dropped a %s frame for %s: not expected", header.kind.value, header.rid)
+            return False
+        if auth.tag_matches(ticket, header):
+            return True
+        self._stats.record_frame_refused()
+        log.warning("refused a %s frame for %s from %s: not tagged under the ticket of the "
+                    "transfer this worker expects", header.kind.value, header.rid, pair.peer)
+        return False
+
+    def _record_for(self, pair: ReceiverPair, header: Header) -> _Inbound | None:
+        request_id = header.rid
+        now = time.monotonic()
+        lease_end = now + (header.lease_s if header.kind is not Kind.ABORT else 0.0)
         with self._lock:
             rec = self._records.get(request_id)
             if rec is None:
                 if self._history.get(request_id) is not None:
                     return None
-                now = time.monotonic()
-                rec = _Inbound(request_id, TransferState.PENDING,
-                               now + self._config.transfer_timeout_s, now)
+                rec = _Inbound(request_id, TransferState.PENDING, lease_end, now)
                 self._records[request_id] = rec
+            elif header.kind is not Kind.ABORT:
+                rec.deadline = min(rec.deadline, lease_end)  # the sender's lease, as it says
             if rec.pair is None:
                 rec.pair = pair
                 self._bound.setdefault(pair, set()).add(request_id)
@@ -224,13 +287,13 @@ class KVReceiver:
                 reason = f"sink rejected layer {header.layer}: {exc!r}"
         self._fail(rec, reason)
 
-    def _deliver_done(self, rec: _Inbound, meta: dict) -> None:
+    def _deliver_done(self, rec: _Inbound, body: bytes) -> None:
         with rec.deliver:
             if not self._begin(rec):
                 return
             with self._lock:
                 self._end_locked(rec, TransferState.DONE, "")
-            _call(self._sink.on_done, rec.request_id, meta)
+            _call(self._sink.on_done, rec.request_id, body)
 
     def _fail(self, rec: _Inbound, reason: str) -> None:
         with rec.deliver:
@@ -310,7 +373,7 @@ class KVReceiver:
             rendezvous.answer(self._store, pair_id, Reply(False, refusal), key, sender_nonce,
                               nonce)
             return
-        pair.start()
+        pair.start(self._path_for(hello))  # takes landing slots only for an accepted pair
         rendezvous.answer(self._store, pair_id, Reply(True), key, sender_nonce, nonce)
 
     def _first_offer(self, pair_id: int) -> bool:
@@ -340,6 +403,13 @@ class KVReceiver:
             return f"receiver {self.address} has no CUDA device for an NCCL pair"
         return ""
 
+    def _path_for(self, hello: Hello) -> ReceivePath:
+        """A NIXL pair gets landing slots (none without a pool, or when it is used up: its
+        payloads then come inline); others receive inline."""
+        if hello.transport != "nixl":
+            return InlineReceive()
+        return NixlReceive(self._pool, self._config.nixl_slots_per_pair, InlineReceive())
+
     def _lru_idle(self, pairs: list[ReceiverPair]) -> ReceiverPair | None:
         idle = [p for p in pairs if not self._bound.get(p)]
         return min(idle, key=lambda p: p.last_used) if idle else None
@@ -362,7 +432,7 @@ class KVReceiver:
                 expired = [r for r in self._records.values() if now >= r.deadline]
                 overdue = [p for p in self._pairs.values() if p.overdue(now)]
             for rec in expired:
-                self._fail(rec, "timed out waiting for the DONE marker")
+                self._fail(rec, "timed out: the lease ran out before the DONE marker")
             for pair in overdue:
                 pair.abort()
 

@@ -1,9 +1,11 @@
 """Receiver end of one pair: builds its channel and runs the receive loop in its own thread.
 
-The loop reads one message at a time (header, then the layer's payload) and hands it to the
-`PairHandler` (the `KVReceiver`), so the messages of a pair are delivered in the order they were
-sent. The pair ends when the sender says CLOSE (clean), when the connection breaks, when the
-sender stays silent longer than it promised, or on a protocol error (the pair is closed).
+The loop reads one message at a time (header, then the layer's payload through the pair's
+payload path: inline, or a slot of the NIXL landing pool) and hands it to the `PairHandler`
+(the `KVReceiver`), so the messages of a pair are delivered in the order they were sent; a
+payload is valid only during the handler's call (a landing slot is granted back right after).
+The pair ends when the sender says CLOSE (clean), when the connection breaks, when the sender
+stays silent longer than it promised, or on a protocol error (the pair is closed).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from kv_store.transfer.channel import (
     build_channel,
 )
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.payload import InlineReceive, ReceivePath
 from kv_store.transfer.rendezvous import Hello
 from kv_store.transfer.wire import Header, Kind, ProtocolError
 
@@ -50,6 +53,7 @@ class ReceiverPair:
         keys: PairKeys | None = None,
     ) -> None:
         self.pair_id = pair_id
+        self._path: ReceivePath = InlineReceive()
         self._auth = FrameAuth.for_end(keys, sender=False) if keys is not None else None
         self.peer = hello.sender
         self._hello = hello
@@ -65,7 +69,10 @@ class ReceiverPair:
         self.last_used = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=f"kv-recv {self.peer}", daemon=True)
 
-    def start(self) -> None:
+    def start(self, path: ReceivePath | None = None) -> None:
+        """Run the pair; `path` moves its payloads (default: inline)."""
+        if path is not None:
+            self._path = path
         self._thread.start()
 
     def request_close(self, reason: str) -> None:
@@ -81,6 +88,11 @@ class ReceiverPair:
                              self._config.close_timeout_s)
         except ChannelClosed:
             self.abort()
+
+    @property
+    def nixl(self) -> bool:
+        """Whether payloads of this pair land in NIXL landing slots."""
+        return getattr(self._path, "num_slots", 0) > 0
 
     @property
     def closing(self) -> bool:
@@ -106,12 +118,18 @@ class ReceiverPair:
 
     def _run(self) -> None:
         reason = f"sender {self.peer} closed the pair"
+        clean = False
         try:
             self._build()
+            self._path.start(self._channel, self._config.io_timeout_s)
             while (header := self._next()) is not None:
                 payload = self._payload(header)
                 self.last_used = time.monotonic()
-                self._handler.on_message(self, header, payload)
+                try:
+                    self._handler.on_message(self, header, payload)
+                finally:
+                    self._path.release(self._channel, header, self._config.io_timeout_s)
+            clean = True
         except ProtocolError as exc:
             reason = f"protocol error from sender {self.peer}, pair closed: {exc}"
             log.warning("%s", reason)
@@ -119,6 +137,7 @@ class ReceiverPair:
             reason = f"pair to sender {self.peer} broke: {exc}"
         finally:
             self.abort()
+            self._path.close(clean)
             self._handler.on_down(self, reason)
 
     def _build(self) -> None:
@@ -144,4 +163,4 @@ class ReceiverPair:
         nbytes = wire.payload_nbytes(header.shape, header.dtype)
         if nbytes > self._config.max_message_bytes:
             raise ProtocolError(f"payload of {nbytes} bytes exceeds max_message_bytes")
-        return self._channel.recv_payload(FORWARD_TAG, header, self._config.transfer_timeout_s)
+        return self._path.payload(self._channel, header, self._config.io_timeout_s)

@@ -30,6 +30,7 @@ from kv_store.transfer import auth, wire
 from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.wire import ProtocolError
 
+TRANSPORTS = ("gloo", "nccl", "nixl")
 _NEXT = "pairs/next"
 _QUEUE = "pairs/hello"
 
@@ -43,7 +44,8 @@ class Hello:
     host: str
     """Address the sender's gloo device listens on."""
     transport: str
-    """"gloo" (control and payload over gloo) or "nccl" (payloads over NCCL)."""
+    """"gloo" (control and payload over gloo), "nccl" (payloads over NCCL) or "nixl"
+    (payloads written into the receiver's landing pool: `nixl_path`)."""
     quiet_limit_s: float
     """Longest silence of a healthy sender on this pair; the receiver gives up after it."""
     nonce: bytes = b""
@@ -121,15 +123,25 @@ def offer(store: dist.Store, hello: Hello, timeout_s: float, key: bytes | None =
 
 
 def poll(store: dist.Store) -> list[tuple[int, Hello | ProtocolError]]:
-    """Receiver side: the pairs offered since the last call (never blocks)."""
+    """Receiver side: the pairs offered since the last call (never blocks). Anyone can push
+    to the queue, so an entry that is not a pair id, or whose hello is not in the store (a
+    sender writes its hello before it pushes its id), is skipped: waiting for it would stall
+    every real offer behind it."""
     offered: list[tuple[int, Hello | ProtocolError]] = []
     while True:
         try:
-            pair_id = int(store.queue_pop(_QUEUE, block=False))
+            entry = store.queue_pop(_QUEUE, block=False)
         except dist.QueueEmptyError:
             return offered
         try:
-            offered.append((pair_id, _decode_hello(store.get(f"pairs/{pair_id}/hello"))))
+            pair_id = int(entry)
+        except ValueError:
+            continue
+        key = f"pairs/{pair_id}/hello"
+        if not store.check([key]):
+            continue
+        try:
+            offered.append((pair_id, _decode_hello(store.get(key))))
         except ProtocolError as exc:
             offered.append((pair_id, exc))
 
@@ -137,8 +149,9 @@ def poll(store: dist.Store) -> list[tuple[int, Hello | ProtocolError]]:
 def _decode_hello(data: bytes) -> Hello:
     doc = wire.unpack(data)
     transport = doc.get("transport")
-    if transport not in ("gloo", "nccl"):
-        raise ProtocolError(f"hello field 'transport' must be gloo or nccl, got {transport!r}")
+    if transport not in TRANSPORTS:
+        raise ProtocolError(f"hello field 'transport' must be one of {TRANSPORTS}, got "
+                            f"{transport!r}")
     limit = doc.get("quiet_limit_s")
     if not isinstance(limit, int | float) or limit <= 0:
         raise ProtocolError(f"hello field 'quiet_limit_s' must be positive, got {limit!r}")

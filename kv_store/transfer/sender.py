@@ -3,7 +3,18 @@
 Owns the requests being sent (their state, lease and future) and the table of pairs to
 receivers (capped, least recently used first out, idle ones closed). Layers are queued on the
 pair of their receiver and sent by that pair's thread, so `send_layer` never blocks on the wire.
-A housekeeping thread enforces leases, finish timeouts and idle timeouts.
+A housekeeping thread enforces leases and idle timeouts.
+
+A request's lease starts with its first call (`lease_s`, at most `TransferConfig.lease_s`) and
+covers everything up to its DONE marker being on the wire; every header carries what is left
+of it, so the receiver drops the request when the sender does. Its ticket (`ticket`, the key
+the receiving worker handed out for this transfer) is fixed by the first call too, and tags
+every header of the request (`auth.ticket_tag`): the receiver accepts only those.
+
+With a NIXL agent (`nixl`), a receiver whose landing pool the caller registered with
+`add_peer` (its `NixlDescriptor`, handed out by the receiving worker over gRPC) gets pairs of
+transport "nixl": their payloads are written into the pool (`nixl_path`); every other
+receiver, and payloads on another device than the pool, use gloo/NCCL as configured.
 """
 
 from __future__ import annotations
@@ -18,9 +29,11 @@ from typing import Any
 
 import torch
 
-from kv_store.transfer import wire
-from kv_store.transfer.checks import check_layer, check_meta, check_request_id
+from kv_store.transfer import auth, wire
+from kv_store.transfer.checks import check_body, check_layer, check_lease, check_request_id
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import NixlDescriptor
 from kv_store.transfer.rendezvous import parse_address
 from kv_store.transfer.sender_pair import Outgoing, SenderPair
 from kv_store.transfer.state import (
@@ -45,10 +58,11 @@ class _Outbound:
     address: str
     created: float
     lease_deadline: float
+    ticket: bytes = field(default=b"", repr=False)  # tags every header (b"": unbound)
     future: Future = field(default_factory=Future)
     state: TransferState = TransferState.PENDING
     pair: SenderPair | None = None
-    finish_deadline: float | None = None  # set by finish()
+    finished: bool = False  # finish() was called: only its DONE is left to send
     layers: int = 0
     nbytes: int = 0
 
@@ -56,8 +70,12 @@ class _Outbound:
 class KVSender:
     """Streams KV layers to decode workers; thread-safe; one per prefill process."""
 
-    def __init__(self, config: TransferConfig | None = None) -> None:
+    def __init__(self, config: TransferConfig | None = None,
+                 nixl: NixlAgent | None = None) -> None:
+        """`nixl`: this process's NIXL agent (None: gloo/NCCL only)."""
         self._config = config or TransferConfig()
+        self._nixl = nixl
+        self._peers: dict[str, NixlDescriptor] = {}  # landing pools by receiver address
         self._lock = threading.Lock()
         self._pairs: OrderedDict[_PairKey, SenderPair] = OrderedDict()  # LRU order
         self._bound: dict[SenderPair, set[str]] = {}  # live requests riding on each pair
@@ -71,60 +89,90 @@ class KVSender:
 
     # ---- public API --------------------------------------------------------------------------
 
+    def add_peer(self, address: str, descriptor: bytes) -> None:
+        """The receiver at `address` offers this landing pool (`KVReceiver.nixl_descriptor`,
+        b"" for none); pairs opened to it from now on use NIXL when this sender has an agent.
+        `ValueError` for a malformed descriptor."""
+        parse_address(address)
+        pool = NixlDescriptor.decode(descriptor) if descriptor else None
+        with self._lock:
+            if pool is None:
+                self._peers.pop(address, None)
+            else:
+                self._peers[address] = pool
+
+    @property
+    def nixl_enabled(self) -> bool:
+        return self._nixl is not None
+
     def send_layer(
         self, address: str, request_id: str, layer: int, block_ids: Sequence[int],
-        kv: torch.Tensor, head_start: int = 0,
+        kv: torch.Tensor, head_start: int = 0, lease_s: float | None = None,
+        ticket: bytes = b"",
     ) -> None:
         """Queue one layer's blocks for `address` (non-blocking); `kv` must not change later.
-        `head_start` is the global index of kv's first KV head (dim 2) when it is a slice."""
+        `head_start` is the global index of kv's first KV head (dim 2) when it is a slice.
+        `lease_s` sets the request's lease on its first call (default: the config's);
+        `ticket` is the transfer's, from the receiver's hand-off (b"": none)."""
         blocks = check_layer(self._config, address, request_id, layer, block_ids, kv)
         if not isinstance(head_start, int) or head_start < 0:
             raise ValueError(f"head_start must be a non-negative int, got {head_start!r}")
-        header = Header(Kind.LAYER, rid=request_id, layer=layer, blocks=blocks,
-                        shape=tuple(kv.shape), dtype=wire.dtype_name(kv.dtype),
-                        head_start=head_start)
-        transport, device = self._transport_for(kv)
+        check_lease(lease_s)
+        auth.check_ticket(ticket)
         settle: list[_Settle] = []
         with self._lock:
-            rec = self._live_record(address, request_id, "send_layer")
+            transport, device = self._transport_for(kv, address)
+            rec = self._live_record(address, request_id, "send_layer", lease_s, ticket)
             if rec is not None:
-                self._enqueue(rec, Outgoing(header, kv, _ready_event(kv)), transport, device,
-                              settle)
+                header = Header(Kind.LAYER, rid=request_id, layer=layer, blocks=blocks,
+                                shape=tuple(kv.shape), dtype=wire.dtype_name(kv.dtype),
+                                head_start=head_start, lease_s=_left(rec))
+                self._enqueue(rec, Outgoing(auth.tagged(header, rec.ticket), kv,
+                                            _ready_event(kv), rec.ticket),
+                              transport, device, settle)
         _run(settle)
 
-    def finish(self, address: str, request_id: str, meta: dict) -> Future[TransferResult]:
-        """After the queued layers, send DONE carrying `meta`; the future says how it went."""
+    def finish(self, address: str, request_id: str, body: bytes,
+               lease_s: float | None = None, ticket: bytes = b"") -> Future[TransferResult]:
+        """After the queued layers, send DONE carrying `body` (the caller's encoded message);
+        the future says how it went. `lease_s` and `ticket` as for `send_layer`."""
         parse_address(address)
         check_request_id(request_id)
-        check_meta(meta)
+        check_body(body)
+        check_lease(lease_s)
+        auth.check_ticket(ticket)
         settle: list[_Settle] = []
         with self._lock:
-            rec = self._live_record(address, request_id, "finish")
+            rec = self._live_record(address, request_id, "finish", lease_s, ticket)
             if rec is None:  # already failed: its future carries the reason
                 return self._failed_future(request_id)
-            if rec.finish_deadline is not None:
+            if rec.finished:
                 raise ValueError(f"finish() called twice for request {request_id!r}")
-            rec.finish_deadline = time.monotonic() + self._config.transfer_timeout_s
+            rec.finished = True
             transport, device = ("gloo", None) if rec.pair is None else self._key_of(rec.pair)
-            self._enqueue(rec, Outgoing(Header(Kind.DONE, rid=request_id, meta=meta)),
-                          transport, device, settle)
+            done = Header(Kind.DONE, rid=request_id, body=bytes(body), lease_s=_left(rec))
+            self._enqueue(rec, Outgoing(auth.tagged(done, rec.ticket)), transport, device,
+                          settle)
             future = rec.future
         _run(settle)
         return future
 
-    def abort(self, address: str, request_id: str, reason: str) -> None:
-        """Drop the request's queued layers, fail it, and tell the receiver."""
+    def abort(self, address: str, request_id: str, reason: str, ticket: bytes = b"") -> None:
+        """Drop the request's queued layers, fail it, and tell the receiver (under the
+        request's ticket; `ticket` for a request that sent nothing yet)."""
         parse_address(address)
         check_request_id(request_id)
+        auth.check_ticket(ticket)
         settle: list[_Settle] = []
         with self._lock:
             rec = self._requests.get(request_id)
             pair = rec.pair if rec is not None else None
             if rec is not None:
+                ticket = rec.ticket
                 self._end(rec, TransferState.FAILED, f"aborted: {reason}", settle)
             elif self._history.get(request_id) is None:
                 self._history.add(request_id, TransferState.FAILED)
-            self._tell_abort(address, request_id, reason, pair, settle)
+            self._tell_abort(address, request_id, reason, ticket, pair, settle)
         _run(settle)
 
     def state(self, request_id: str) -> TransferState:
@@ -138,7 +186,9 @@ class KVSender:
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests)}
+            extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests),
+                     "pairs_nixl": sum(1 for p in self._pairs.values()
+                                       if p.transport == "nixl")}
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:
@@ -174,14 +224,21 @@ class KVSender:
     def on_wire(self, pair: SenderPair, item: Outgoing) -> bool:
         if item.header.kind in (Kind.ABORT, Kind.CLOSE):
             return True
+        settle: list[_Settle] = []
         with self._lock:
             rec = self._requests.get(item.header.rid)
             if rec is None or rec.pair is not pair:
                 return False  # ended (aborted, expired) after it was queued
-            if rec.state is TransferState.PENDING:
-                check_transition(rec.state, TransferState.TRANSFERRING)
-                rec.state = TransferState.TRANSFERRING
-            return True
+            if time.monotonic() >= rec.lease_deadline:  # not a tick later: nothing past it
+                self._expire_one(rec, settle)
+                go = False
+            else:
+                go = True
+                if rec.state is TransferState.PENDING:
+                    check_transition(rec.state, TransferState.TRANSFERRING)
+                    rec.state = TransferState.TRANSFERRING
+        _run(settle)
+        return go
 
     def on_sent(self, pair: SenderPair, item: Outgoing, nbytes: int) -> None:
         self._stats.add_sent(nbytes)
@@ -210,15 +267,19 @@ class KVSender:
 
     # ---- requests (caller holds self._lock) --------------------------------------------------
 
-    def _live_record(self, address: str, request_id: str, caller: str) -> _Outbound | None:
-        """The request's live record, created if new; None if it already failed."""
+    def _live_record(self, address: str, request_id: str, caller: str,
+                     lease_s: float | None, ticket: bytes) -> _Outbound | None:
+        """The request's live record, created if new (its lease starts, its ticket is
+        fixed); None if it already failed."""
         if self._closed:
             raise RuntimeError("KVSender is closed")
         rec = self._requests.get(request_id)
         if rec is not None:
             if rec.address != address:
                 raise ValueError(f"request {request_id!r} goes to {rec.address}, not {address}")
-            if rec.finish_deadline is not None and caller == "send_layer":
+            if rec.ticket != ticket:
+                raise ValueError(f"request {request_id!r} was started under another ticket")
+            if rec.finished and caller == "send_layer":
                 raise ValueError(f"send_layer() after finish() for request {request_id!r}")
             return rec
         past = self._history.get(request_id)
@@ -227,7 +288,8 @@ class KVSender:
         if past is TransferState.FAILED:
             return None
         now = time.monotonic()
-        rec = _Outbound(request_id, address, now, now + self._config.lease_s)
+        lease = self._config.lease_s if lease_s is None else min(lease_s, self._config.lease_s)
+        rec = _Outbound(request_id, address, now, now + lease, ticket)
         self._requests[request_id] = rec
         return rec
 
@@ -275,9 +337,10 @@ class KVSender:
             f"transfer of {request_id!r} failed: {self._history.reason(request_id)}"))
         return future
 
-    def _tell_abort(self, address: str, request_id: str, reason: str, pair: SenderPair | None,
-                    settle: list[_Settle]) -> None:
-        """Queue an ABORT ahead of everything else on a live pair to `address`."""
+    def _tell_abort(self, address: str, request_id: str, reason: str, ticket: bytes,
+                    pair: SenderPair | None, settle: list[_Settle]) -> None:
+        """Queue an ABORT (tagged under `ticket`) ahead of everything else on a live pair to
+        `address`."""
         if pair is None or not pair.accepting:
             pair = next((p for p in self._pairs.values()
                          if p.address == address and p.accepting), None)
@@ -286,7 +349,8 @@ class KVSender:
                 pair = self._pair_for(address, "gloo", None)
             except TransferError:
                 return  # no room for a pair: the receiver's own timeout will fail the request
-        pair.enqueue(Outgoing(Header(Kind.ABORT, rid=request_id, reason=reason)), front=True)
+        abort = auth.tagged(Header(Kind.ABORT, rid=request_id, reason=reason), ticket)
+        pair.enqueue(Outgoing(abort), front=True)
 
     # ---- pairs (caller holds self._lock) -----------------------------------------------------
 
@@ -302,7 +366,10 @@ class KVSender:
         if len(self._pairs) >= self._config.max_pairs and not self._evict_one():
             raise TransferError(f"all max_pairs={self._config.max_pairs} pairs are busy; "
                                 f"cannot open one to {address}")
-        pair = SenderPair(address, transport, device, self._config, self)
+        nixl = None
+        if transport == "nixl":
+            nixl = (self._nixl, self._peers[address])
+        pair = SenderPair(address, transport, device, self._config, self, nixl)
         self._pairs[key] = pair
         self._bound[pair] = set()
         pair.start()
@@ -320,7 +387,12 @@ class KVSender:
     def _idle(self, pair: SenderPair) -> bool:
         return not self._bound.get(pair) and pair.quiet()
 
-    def _transport_for(self, kv: torch.Tensor) -> tuple[str, torch.device | None]:
+    def _transport_for(self, kv: torch.Tensor, address: str
+                       ) -> tuple[str, torch.device | None]:
+        """The pair kind for this payload (caller holds self._lock)."""
+        pool = self._peers.get(address)
+        if self._nixl is not None and pool is not None and pool.accepts(kv):
+            return "nixl", None
         backend = self._config.backend
         if kv.is_cuda and backend in ("auto", "nccl"):
             return "nccl", kv.device
@@ -344,17 +416,15 @@ class KVSender:
             _run(settle)
 
     def _expire(self, now: float, settle: list[_Settle]) -> None:
-        cfg = self._config
         for rec in list(self._requests.values()):
             if now >= rec.lease_deadline:
-                reason = f"lease of {cfg.lease_s}s expired"
-            elif rec.finish_deadline is not None and now >= rec.finish_deadline:
-                reason = f"not sent within transfer_timeout_s={cfg.transfer_timeout_s}s of finish()"
-            else:
-                continue
-            pair = rec.pair
-            self._end(rec, TransferState.FAILED, reason, settle)
-            self._tell_abort(rec.address, rec.request_id, reason, pair, settle)
+                self._expire_one(rec, settle)
+
+    def _expire_one(self, rec: _Outbound, settle: list[_Settle]) -> None:
+        reason = f"lease of {rec.lease_deadline - rec.created:.3g}s expired"
+        pair = rec.pair
+        self._end(rec, TransferState.FAILED, reason, settle)
+        self._tell_abort(rec.address, rec.request_id, reason, rec.ticket, pair, settle)
 
     def _close_idle(self, now: float) -> None:
         for key, pair in list(self._pairs.items()):
@@ -363,6 +433,11 @@ class KVSender:
             elif self._idle(pair) and now - pair.last_used >= self._config.idle_timeout_s:
                 pair.close(f"idle for {self._config.idle_timeout_s}s")
                 del self._pairs[key]
+
+
+def _left(rec: _Outbound) -> float:
+    """What is left of a request's lease, for its next header."""
+    return max(0.0, rec.lease_deadline - time.monotonic())
 
 
 def _ready_event(kv: torch.Tensor) -> Any:

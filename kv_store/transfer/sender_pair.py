@@ -7,9 +7,12 @@ Pair lifecycle::
          └───────── rendezvous refused or failed, connection lost, protocol error ┴──► BROKEN
 
 Messages leave in the order they were queued; an abort jumps the queue. The send thread is the
-only writer of the forward direction; the reader thread waits on the backward direction, so a
-dead receiver is noticed at once even while the pair is quiet. The pair never decides about
-requests: it tells its `PairListener` (the `KVSender`) what goes on the wire and when it is down.
+only writer of the forward direction; the reader thread waits on the backward direction (close
+requests, and the landing slots of a NIXL pair), so a dead receiver is noticed at once even
+while the pair is quiet. LAYER payloads go through the pair's payload path (`payload`): inline
+on gloo/NCCL, or NIXL writes into the receiver's landing pool (`nixl_path`). The pair never
+decides about requests: it tells its `PairListener` (the `KVSender`) what goes on the wire and
+when it is down.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
@@ -37,6 +40,9 @@ from kv_store.transfer.channel import (
     build_channel,
 )
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import NixlDescriptor, NixlSend
+from kv_store.transfer.payload import InlineSend, SendPath
 from kv_store.transfer.wire import Header, Kind, ProtocolError
 
 log = logging.getLogger(__name__)
@@ -59,6 +65,8 @@ class Outgoing:
     payload: torch.Tensor | None = None
     ready: Any = None
     """CUDA event recorded on the producer's stream: the payload may still be being computed."""
+    ticket: bytes = field(default=b"", repr=False)
+    """The transfer's ticket: a payload path that splits a LAYER tags each part under it."""
 
 
 class PairListener(Protocol):
@@ -82,7 +90,10 @@ class SenderPair:
         cuda_device: torch.device | None,
         config: TransferConfig,
         listener: PairListener,
+        nixl: tuple[NixlAgent, NixlDescriptor] | None = None,
     ) -> None:
+        """`nixl`: this process's agent and the receiver's landing pool, for a pair whose
+        `transport` is "nixl"."""
         self.address = address
         self.transport = transport
         self.cuda_device = cuda_device
@@ -94,6 +105,8 @@ class SenderPair:
         self._sending = False
         self._close_reason = ""
         self._channel: Channel | None = None
+        self._nixl = nixl
+        self._path: SendPath = InlineSend()
         self._store = None  # the TCPStore client; NCCL initialises lazily through it
         self.last_used = time.monotonic()
         self.key = (address, transport, str(cuda_device))
@@ -196,12 +209,14 @@ class SenderPair:
             host=(cfg.host if cfg.host not in ("", "0.0.0.0", "::")
                   else rendezvous.local_host_for(host)),
             transport=self.transport,
-            quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.transfer_timeout_s,
+            quiet_limit_s=max(cfg.idle_timeout_s, cfg.lease_s) + cfg.io_timeout_s,
         )
         pair_id, reply, keys = rendezvous.offer(self._store, hello, cfg.connect_timeout_s,
                                                 cfg.auth_key)
         if not reply.ok:
             raise ConnectionRefusedError(f"receiver refused the pair: {reply.reason}")
+        if self._nixl is not None:  # loads the receiving agent: fails here, not mid-request
+            self._path = NixlSend(*self._nixl, fallback=InlineSend())
         store = rendezvous.pair_store(self._store, pair_id)
         return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg,
                              FrameAuth.for_end(keys, sender=True) if keys else None)
@@ -218,10 +233,11 @@ class SenderPair:
     def _send(self, item: Outgoing) -> None:
         try:
             if self._listener.on_wire(self, item):
-                if item.ready is not None:  # order our stream after the producer's
-                    torch.cuda.current_stream(item.payload.device).wait_event(item.ready)
-                nbytes = self._channel.send(FORWARD_TAG, item.header, item.payload,
-                                            self._config.transfer_timeout_s)
+                timeout = self._config.io_timeout_s
+                if item.header.kind is Kind.LAYER:
+                    nbytes = self._path.send_layer(self._channel, item, timeout)
+                else:
+                    nbytes = self._channel.send(FORWARD_TAG, item.header, None, timeout)
                 self._listener.on_sent(self, item, nbytes)
         finally:
             with self._cv:
@@ -245,6 +261,9 @@ class SenderPair:
         try:
             while True:
                 header = self._channel.recv_header(BACKWARD_TAG, _NEVER_S)
+                if header.kind is Kind.GRANT:
+                    self._path.on_grant(header)
+                    continue
                 if header.kind is not Kind.CLOSE:
                     raise ProtocolError(f"unexpected {header.kind.value!r} from the receiver")
                 self.close(f"receiver {self.address} closed the pair: {header.reason}")
@@ -262,6 +281,7 @@ class SenderPair:
             self._queue.clear()
             self._cv.notify()
             channel = self._channel
+        self._path.close()  # wakes a send waiting for a landing slot
         if channel is not None:
             channel.abort()
         self._listener.on_down(self, reason)

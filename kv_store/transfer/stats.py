@@ -17,18 +17,23 @@ class TransferStats:
         self._lock = threading.Lock()
         self._bytes_sent = 0
         self._bytes_received = 0
+        self._bytes_received_nixl = 0
         self._done = 0
         self._failed = 0
         self._refused = 0
+        self._frames_refused = 0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def add_sent(self, nbytes: int) -> None:
         with self._lock:
             self._bytes_sent += nbytes
 
-    def add_received(self, nbytes: int) -> None:
+    def add_received(self, nbytes: int, nixl: bool = False) -> None:
+        """`nixl`: the bytes came through a NIXL landing slot."""
         with self._lock:
             self._bytes_received += nbytes
+            if nixl:
+                self._bytes_received_nixl += nbytes
 
     def record_done(self, latency_s: float) -> None:
         with self._lock:
@@ -44,15 +49,22 @@ class TransferStats:
         with self._lock:
             self._refused += 1
 
+    def record_frame_refused(self) -> None:
+        """A frame whose ticket tag did not match its request's ticket."""
+        with self._lock:
+            self._frames_refused += 1
+
     def snapshot(self, **extra: Any) -> dict[str, Any]:
         with self._lock:
             lat = sorted(self._latencies)
             out: dict[str, Any] = {
                 "bytes_sent": self._bytes_sent,
                 "bytes_received": self._bytes_received,
+                "bytes_received_nixl": self._bytes_received_nixl,
                 "transfers_done": self._done,
                 "transfers_failed": self._failed,
                 "pairs_refused": self._refused,
+                "frames_refused": self._frames_refused,
                 "latency_s": _summary(lat),
             }
         out.update(extra)

@@ -4,30 +4,57 @@ One message on a pair is a frame of tensors sent in order on the same tag:
 
     int64[1] header length  →  uint8[length] msgpack header  →  payload tensor ("layer" only)
 
-The header is a msgpack map `{"v": VERSION, "kind": ..., ...}`; nothing is ever pickled. The
-payload moves as a raw tensor in its "carrier" dtype (fp8 travels as its uint8 bytes, since the
-collective backends do not know fp8). The rendezvous hello/reply documents use the same
-`pack`/`unpack` and therefore carry the version too.
+A LAYER whose `slot` is set carries no payload tensor: its bytes were written into that slot
+of the receiver's NIXL landing pool before the header was sent (`nixl_path`); the receiver
+hands the slot back with a GRANT on the backward direction once it copied them out.
+
+The header is a msgpack map `{"v": VERSION, "kind": ..., ...}` decoded into one frozen
+`Header`; nothing is ever pickled. The payload moves as a raw tensor in its "carrier" dtype
+(fp8 travels as its uint8 bytes, since the collective backends do not know fp8). The
+rendezvous hello/reply documents use the same `pack`/`unpack` and therefore carry the version
+too. What a DONE says is opaque here: `body` bytes that the transfer's users encode with their
+own versioned codec (`pdserve.serving.kv_messages`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
 import msgpack
 import torch
 
-VERSION = 3
+VERSION = 6
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
 #   2 — layer headers carry `head_start`: the global index of the payload's first KV head, so
 #       a slice of heads can travel between groups of different tensor-parallel degrees.
-#   3 — authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`; on a pair
-#       opened that way every header is preceded by a 32-byte HMAC over (sequence, header).
+#   3 — taken by two branches at once, each without the other's change, so no 3 speaks to
+#       the other 3:
+#       (security) authenticated pairs (`auth`): hello and reply may carry `nonce` and `mac`;
+#       on a pair opened that way every header is preceded by a 32-byte HMAC over (sequence,
+#       header).
+#       (lifecycle) DONE carries opaque `body` bytes (a typed message of the layer above)
+#       instead of a msgpack map; layer and DONE headers carry `lease_s`, what is left of the
+#       transfer's lease, so the receiver gives up on a request when its sender does.
+#   4 — both version-3 changes together: sealed headers (on authenticated pairs) whose LAYER
+#       and DONE carry `lease_s`, DONE an opaque `body`.
+#   5 — LAYER, DONE and ABORT carry `tag`: an HMAC of the header's other fields under the
+#       transfer's ticket, the random key the decode worker handed out with its reservation
+#       over the authenticated RPC (`auth.ticket_tag`); empty for a transfer without one.
+#   6 — NIXL payloads: LAYER carries `slot` (-1: the payload tensor follows on the pair; >= 0:
+#       its bytes are already in that slot of the receiver's landing pool), a new GRANT kind
+#       (receiver → sender) hands `slots` to the sender, and a hello may name transport
+#       "nixl".
+
+MAX_BODY_BYTES = 64 << 10
+"""Largest DONE body: it names a token or a count, never bulk data."""
+
+MAX_TAG_BYTES = 64
+"""Largest `tag` accepted (the tags made here are 32 bytes)."""
 
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""
@@ -52,11 +79,20 @@ class Kind(Enum):
     DONE = "done"
     ABORT = "abort"
     CLOSE = "close"
+    GRANT = "grant"
 
 
 @dataclass(frozen=True)
 class Header:
-    """One decoded control message; which fields matter depends on `kind`."""
+    """One decoded control message; which fields matter depends on `kind`:
+
+        LAYER  rid, layer, blocks, shape, dtype, head_start, lease_s, tag, slot
+               (a payload tensor follows unless `slot` >= 0)
+        DONE   rid, body, lease_s, tag
+        ABORT  rid, reason, tag
+        CLOSE  reason
+        GRANT  slots  (receiver → sender: landing slots it may write now)
+    """
 
     kind: Kind
     rid: str = ""
@@ -65,8 +101,18 @@ class Header:
     shape: tuple[int, ...] = ()
     dtype: str = ""
     head_start: int = 0
-    meta: dict[str, Any] = field(default_factory=dict)
+    body: bytes = b""
     reason: str = ""
+    lease_s: float = 0.0
+    """Seconds left of the request's lease when the message was queued (LAYER, DONE)."""
+    tag: bytes = b""
+    """HMAC of the fields above under the request's ticket (`auth.ticket_tag`; LAYER, DONE,
+    ABORT); b"" for a transfer that has no ticket."""
+    slot: int = -1
+    """LAYER: the landing slot that already holds the payload (-1: it follows inline). Not
+    under the ticket's tag: it says where this pair put the bytes, and the pair seals it."""
+    slots: tuple[int, ...] = ()
+    """GRANT: landing slots the sender may write."""
 
 
 def pack(doc: dict[str, Any]) -> bytes:
@@ -89,17 +135,25 @@ def unpack(data: bytes) -> dict[str, Any]:
     return doc
 
 
+MAX_GRANT_SLOTS = 1024
+"""Most slots one GRANT may name."""
+
+
 def encode_header(h: Header) -> bytes:
     doc: dict[str, Any] = {"kind": h.kind.value}
+    if h.kind is Kind.GRANT:
+        return pack({**doc, "slots": list(h.slots)})
     if h.kind is not Kind.CLOSE:
         doc["rid"] = h.rid
     if h.kind is Kind.LAYER:
         doc.update(layer=h.layer, blocks=list(h.blocks), shape=list(h.shape), dtype=h.dtype,
-                   head_start=h.head_start)
+                   head_start=h.head_start, lease_s=float(h.lease_s), slot=h.slot)
     elif h.kind is Kind.DONE:
-        doc["meta"] = h.meta
+        doc.update(body=bytes(h.body), lease_s=float(h.lease_s))
     else:
         doc["reason"] = h.reason
+    if h.kind is not Kind.CLOSE:
+        doc["tag"] = bytes(h.tag)
     return pack(doc)
 
 
@@ -112,17 +166,30 @@ def decode_header(data: bytes) -> Header:
         raise ProtocolError(f"unknown message kind {doc.get('kind')!r}") from None
     if kind is Kind.CLOSE:
         return Header(kind, reason=_field(doc, "reason", str))
+    if kind is Kind.GRANT:
+        slots = tuple(_field(doc, "slots", list))
+        if len(slots) > MAX_GRANT_SLOTS or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in slots):
+            raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
+                                "non-negative ints")
+        return Header(kind, slots=slots)
     rid = _field(doc, "rid", str)
     if not rid:
         raise ProtocolError("field 'rid' is empty")
+    tag = _field(doc, "tag", bytes) if "tag" in doc else b""  # absent: an unbound transfer
+    if len(tag) > MAX_TAG_BYTES:
+        raise ProtocolError(f"field 'tag' has {len(tag)} bytes (max {MAX_TAG_BYTES})")
     if kind is Kind.DONE:
-        return Header(kind, rid=rid, meta=_field(doc, "meta", dict))
+        body = _field(doc, "body", bytes)
+        if len(body) > MAX_BODY_BYTES:
+            raise ProtocolError(f"field 'body' has {len(body)} bytes (max {MAX_BODY_BYTES})")
+        return Header(kind, rid=rid, body=body, lease_s=_lease(doc), tag=tag)
     if kind is Kind.ABORT:
-        return Header(kind, rid=rid, reason=_field(doc, "reason", str))
-    return _decode_layer(doc, rid)
+        return Header(kind, rid=rid, reason=_field(doc, "reason", str), tag=tag)
+    return _decode_layer(doc, rid, tag)
 
 
-def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
+def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
     layer = _field(doc, "layer", int)
     blocks = tuple(_field(doc, "blocks", list))
     shape = tuple(_field(doc, "shape", list))
@@ -140,8 +207,18 @@ def _decode_layer(doc: dict[str, Any], rid: str) -> Header:
         raise ProtocolError(f"field 'shape' {shape} does not match {len(blocks)} blocks")
     if dtype not in _DTYPES:
         raise ProtocolError(f"field 'dtype' {dtype!r} is not one of {sorted(_DTYPES)}")
+    slot = _field(doc, "slot", int) if "slot" in doc else -1
+    if slot < -1:
+        raise ProtocolError(f"field 'slot' must be -1 or a slot index, got {slot}")
     return Header(Kind.LAYER, rid=rid, layer=layer, blocks=blocks, shape=shape, dtype=dtype,
-                  head_start=head_start)
+                  head_start=head_start, lease_s=_lease(doc), tag=tag, slot=slot)
+
+
+def _lease(doc: dict[str, Any]) -> float:
+    lease = _field(doc, "lease_s", float)
+    if not math.isfinite(lease):
+        raise ProtocolError(f"field 'lease_s' is not finite: {lease}")
+    return lease
 
 
 def _field(doc: dict[str, Any], name: str, kind: type) -> Any:
@@ -168,6 +245,12 @@ def to_carrier(kv: torch.Tensor) -> torch.Tensor:
 
 def empty_carrier(shape: tuple[int, ...], name: str, device: torch.device) -> torch.Tensor:
     return torch.empty(shape, dtype=_DTYPES[name][1], device=device)
+
+
+def carrier_view(raw: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
+    """`raw` (contiguous uint8 bytes, exactly `payload_nbytes(shape, name)` of them) seen as
+    the payload of a LAYER header, in the header's dtype (a view: no copy)."""
+    return from_carrier(raw.view(_DTYPES[name][1]).view(shape), name)
 
 
 def from_carrier(buf: torch.Tensor, name: str) -> torch.Tensor:

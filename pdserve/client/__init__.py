@@ -3,7 +3,11 @@
     from pdserve.client import Client, AsyncClient, Completion, Chunk, PDServeError
 
 `Client` (blocking) and `AsyncClient` (asyncio) offer `generate` (a whole `Completion`),
-`stream` (`Chunk`s as they are produced) and `list_models`. Calls take an optional deadline,
+`generate_choices` (`n` of them), `stream` (`Chunk`s as they are produced, tagged with their
+choice) and `list_models`. A prompt is text, token ids or a `Chat` (messages and tools,
+rendered by the server's chat template); options cover sampling, `logit_bias`,
+`prompt_logprobs` and output constraints (`json_schema`, `json_object`, `regex`, `choice`,
+`grammar`). Calls take an optional deadline,
 retry UNAVAILABLE with jittered exponential backoff, send a bearer token when given one, and
 raise `PDServeError` subclasses named after the gRPC status.
 
@@ -13,7 +17,16 @@ requests; `response` converts and assembles results; `retry` is the retry policy
 """
 
 from pdserve.client.async_client import AsyncClient
-from pdserve.client.datatypes import Chunk, Completion, ModelCard, TokenLogprob, TopLogprob, Usage
+from pdserve.client.datatypes import (
+    Chat,
+    Chunk,
+    Completion,
+    ModelCard,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Usage,
+)
 from pdserve.client.errors import (
     Cancelled,
     DeadlineExceeded,
@@ -30,6 +43,7 @@ from pdserve.client.sync_client import Client
 __all__ = [
     "AsyncClient",
     "Cancelled",
+    "Chat",
     "Chunk",
     "Client",
     "Completion",
@@ -42,6 +56,7 @@ __all__ = [
     "PDServeError",
     "ResourceExhausted",
     "TokenLogprob",
+    "ToolCall",
     "TopLogprob",
     "Unauthenticated",
     "Unavailable",

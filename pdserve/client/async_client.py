@@ -22,7 +22,7 @@ import grpc
 from pdserve.client import channel, response
 from pdserve.client.config import make_config
 from pdserve.client.datatypes import Chunk, Completion, ModelCard
-from pdserve.client.errors import Internal, from_rpc_error
+from pdserve.client.errors import Internal, InvalidArgument, from_rpc_error
 from pdserve.client.request import GenerateKwargs, Prompt, build_request, make_options
 from pdserve.client.retry import Deadline, next_wait
 from pdserve.proto import pb, pb_grpc
@@ -67,7 +67,24 @@ class AsyncClient:
     async def generate(self, prompt: Prompt, **options: Unpack[GenerateKwargs]) -> Completion:
         """Generates a completion for prompt and returns it whole (see `Client.generate`)."""
         opts = make_options(options)
+        if (opts.n or 1) > 1:
+            raise InvalidArgument("n: generate returns one completion; use generate_choices")
         request = build_request(prompt, opts)
+        chunks = await self._collect(request, opts)
+        return response.assemble(chunks, request_id=request.request_id,
+                                 want_logprobs=opts.logprobs is not None)
+
+    async def generate_choices(self, prompt: Prompt, **options: Unpack[GenerateKwargs]
+                               ) -> list[Completion]:
+        """`n` completions of the prompt (see `Client.generate_choices`)."""
+        opts = make_options(options)
+        request = build_request(prompt, opts)
+        chunks = await self._collect(request, opts)
+        return response.assemble_choices(chunks, request_id=request.request_id,
+                                         want_logprobs=opts.logprobs is not None,
+                                         n=opts.n or 1)
+
+    async def _collect(self, request: pb.GenerateRequest, opts) -> list[Chunk]:
         want_logprobs = opts.logprobs is not None
 
         async def attempt(timeout: float | None) -> list[Chunk]:
@@ -81,8 +98,7 @@ class AsyncClient:
             finally:
                 call.cancel()
 
-        chunks = await self._with_retries(attempt, self._config.timeout_for(opts.timeout))
-        return response.assemble(chunks, request_id=request.request_id, want_logprobs=want_logprobs)
+        return await self._with_retries(attempt, self._config.timeout_for(opts.timeout))
 
     def stream(self, prompt: Prompt, **options: Unpack[GenerateKwargs]) -> AsyncIterator[Chunk]:
         """Yields chunks as the server produces them (see `Client.stream`); use `async for`."""

@@ -7,7 +7,9 @@ lowercase string ("stop", "length", "abort") so callers never touch the proto en
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,34 @@ class ModelCard:
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of one of the chat's tools, as the model made it."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments, as JSON text."""
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation prompt: rendered by the served model's chat template on the server.
+
+    `messages` and `tools` are OpenAI-style dicts: {"role", "content"[, "name",
+    "tool_calls", "tool_call_id"]} and {"type": "function", "function": {"name",
+    "description", "parameters"}}. `tool_choice`: "none", "auto", "required", or a tool's
+    name (that call, constrained to its schema).
+    """
+
+    messages: Sequence[Mapping[str, Any]]
+    tools: Sequence[Mapping[str, Any]] = ()
+    tool_choice: str | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class Chunk:
     """One message of a Generate stream: what was produced since the previous one."""
 
@@ -65,7 +95,14 @@ class Chunk:
     finish_reason: str | None
     """On the last chunk: "stop", "length" or "abort"; None before."""
     usage: Usage | None
-    """Set on the last chunk only."""
+    """Set on the last chunk only (with n > 1: of all choices together)."""
+    index: int = 0
+    """The choice this chunk belongs to (n > 1: choices interleave)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With prompt_logprobs: on a choice's first chunk, one per prompt token after the
+    first."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Chat prompts with tools: on a choice's last chunk, the calls it made."""
 
 
 @dataclass(frozen=True)
@@ -82,3 +119,9 @@ class Completion:
     usage: Usage
     logprobs: list[TokenLogprob] | None
     """One per generated token when logprobs were requested, else None."""
+    index: int = 0
+    """Which choice (generate_choices)."""
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """With prompt_logprobs: one per prompt token after the first."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """Chat prompts with tools: the calls the model made (finish_reason "tool_calls")."""

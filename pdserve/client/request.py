@@ -9,14 +9,16 @@ can carry, finite floats, a non-empty prompt. Semantic limits (temperature range
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 import operator
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import TypedDict
+from typing import Any, TypedDict
 
+from pdserve.client.datatypes import Chat
 from pdserve.client.errors import InvalidArgument
 from pdserve.proto import pb
 
@@ -25,7 +27,7 @@ UINT64_MAX = 2**64 - 1
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Chat
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,22 @@ class GenerateOptions:
     logprobs: int | None = None
     """Number of top alternatives to return with each token's logprob (0: sampled token only)."""
     include_stop_str_in_output: bool = False
+    n: int | None = None
+    """Choices for the prompt (generate_choices / stream); they share the prompt."""
+    logit_bias: Mapping[int, float] | None = None
+    """Added to these token ids' logits, each in [-100, 100]."""
+    prompt_logprobs: int | None = None
+    """Logprobs of the prompt's tokens, with this many alternatives each."""
+    json_schema: Mapping[str, Any] | str | None = None
+    """Constrain the output to JSON valid against this schema (at most one constraint)."""
+    json_object: bool = False
+    """Constrain the output to a JSON object."""
+    regex: str | None = None
+    """Constrain the output to match this regular expression."""
+    choice: Sequence[str] | None = None
+    """Constrain the output to one of these strings."""
+    grammar: str | None = None
+    """Constrain the output to this EBNF grammar (root rule `root`)."""
     request_id: str | None = None
     """Id for logs and cancellation; a fresh one (kept across retries) when None."""
     model: str = ""
@@ -79,12 +97,20 @@ class GenerateKwargs(TypedDict, total=False):
     ignore_eos: bool
     logprobs: int | None
     include_stop_str_in_output: bool
+    n: int | None
+    logit_bias: Mapping[int, float] | None
+    prompt_logprobs: int | None
+    json_schema: Mapping[str, Any] | str | None
+    json_object: bool
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
     request_id: str | None
     model: str
     timeout: float | None
 
 
-_UINT32_FIELDS = ("max_tokens", "min_tokens", "logprobs")
+_UINT32_FIELDS = ("max_tokens", "min_tokens", "logprobs", "prompt_logprobs")
 _FLOAT_FIELDS = (
     "temperature",
     "top_p",
@@ -152,7 +178,69 @@ def sampling_params(options: GenerateOptions) -> pb.SamplingParams:
         params.stop.extend(_stop_strings(options.stop))
     if options.stop_token_ids is not None:
         params.stop_token_ids.extend(_token_ids("stop_token_ids", options.stop_token_ids))
+    for tid, bias in (options.logit_bias or {}).items():
+        params.logit_bias[_check_int("logit_bias", tid, 0, UINT32_MAX)] = _check_float(
+            "logit_bias", bias)
+    structured = _structured(options)
+    if structured is not None:
+        params.structured.CopyFrom(structured)
     return params
+
+
+def _structured(o: GenerateOptions) -> pb.StructuredOutput | None:
+    given = [name for name in ("json_schema", "regex", "choice", "grammar")
+             if getattr(o, name) is not None] + (["json_object"] if o.json_object else [])
+    if len(given) > 1:
+        raise InvalidArgument(f"give at most one output constraint, not {', '.join(given)}")
+    if not given:
+        return None
+    if o.json_schema is not None:
+        text = o.json_schema if isinstance(o.json_schema, str) else json.dumps(o.json_schema)
+        return pb.StructuredOutput(json_schema=text)
+    if o.json_object:
+        return pb.StructuredOutput(json_object=True)
+    if o.choice is not None:
+        if isinstance(o.choice, str) or not all(isinstance(c, str) for c in o.choice):
+            raise InvalidArgument("choice: expected a sequence of strings")
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(o.choice)))
+    name = given[0]
+    if not isinstance(getattr(o, name), str):
+        raise InvalidArgument(f"{name}: expected a string")
+    return pb.StructuredOutput(**{name: getattr(o, name)})
+
+
+def _chat(chat: Chat) -> pb.ChatPrompt:
+    msg = pb.ChatPrompt(add_generation_prompt=bool(chat.add_generation_prompt),
+                        continue_final_message=bool(chat.continue_final_message),
+                        tool_choice=chat.tool_choice or "",
+                        chat_template_kwargs_json=json.dumps(dict(chat.chat_template_kwargs)))
+    for i, m in enumerate(chat.messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise InvalidArgument(f"messages[{i}]: expected a dict with a role")
+        content = m.get("content") or ""
+        if not isinstance(content, str):
+            raise InvalidArgument(f"messages[{i}].content: expected a string")
+        calls = [pb.ToolCall(id=str(c.get("id", "")), name=c["function"]["name"],
+                             arguments_json=_json_text(c["function"].get("arguments", "{}")))
+                 for c in m.get("tool_calls") or ()]
+        msg.messages.append(pb.ChatMessage(role=m["role"], content=content,
+                                           name=m.get("name") or "", tool_calls=calls,
+                                           tool_call_id=m.get("tool_call_id") or ""))
+    for t in chat.tools:
+        fn = t.get("function", t) if isinstance(t, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise InvalidArgument("tools: expected {\"type\": \"function\", \"function\": "
+                                  "{\"name\": ..., \"parameters\": {...}}}")
+        params = fn.get("parameters")
+        msg.tools.append(pb.Tool(name=fn["name"], description=fn.get("description") or "",
+                                 parameters_json=json.dumps(params) if params else ""))
+    if not msg.messages:
+        raise InvalidArgument("messages: must not be empty")
+    return msg
+
+
+def _json_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateRequest:
@@ -163,8 +251,12 @@ def build_request(prompt: Prompt, options: GenerateOptions) -> pb.GenerateReques
     if not isinstance(options.model, str):
         raise InvalidArgument("model: expected a string")
     request = pb.GenerateRequest(
-        request_id=request_id, model=options.model, sampling=sampling_params(options)
+        request_id=request_id, model=options.model, sampling=sampling_params(options),
+        n=_check_int("n", options.n, 1, 128) if options.n is not None else 0,
     )
+    if isinstance(prompt, Chat):
+        request.chat.CopyFrom(_chat(prompt))
+        return request
     if isinstance(prompt, str):
         request.text = prompt
     else:

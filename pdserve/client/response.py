@@ -10,7 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.client.datatypes import Chunk, Completion, ModelCard, TokenLogprob, TopLogprob, Usage
+from pdserve.client.datatypes import (
+    Chunk,
+    Completion,
+    ModelCard,
+    TokenLogprob,
+    ToolCall,
+    TopLogprob,
+    Usage,
+)
 from pdserve.client.errors import Internal
 from pdserve.proto import pb
 
@@ -52,24 +60,47 @@ def chunk(msg: pb.GenerateResponse, *, request_id: str, want_logprobs: bool) -> 
         logprobs=[token_logprob(lp) for lp in msg.logprobs] if want_logprobs else None,
         finish_reason=finish_reason_name(msg.finish_reason),
         usage=usage(msg.usage) if msg.HasField("usage") else None,
+        index=msg.index,
+        prompt_logprobs=[token_logprob(lp) for lp in msg.prompt_logprobs] or None,
+        tool_calls=[ToolCall(c.id, c.name, c.arguments_json) for c in msg.tool_calls],
     )
 
 
 def assemble(chunks: Sequence[Chunk], *, request_id: str, want_logprobs: bool) -> Completion:
     """Concatenates a finished stream's chunks into its Completion; raises Internal if the
     stream did not end with a finish reason and usage."""
+    (one,) = assemble_choices(chunks, request_id=request_id, want_logprobs=want_logprobs,
+                              n=1)
+    return one
+
+
+def assemble_choices(chunks: Sequence[Chunk], *, request_id: str, want_logprobs: bool,
+                     n: int) -> list[Completion]:
+    """Each of `n` choices' chunks joined into its Completion (index order); every one
+    carries the request's usage (of all choices). Raises Internal if the stream did not end
+    with the usage, or a choice without its finish reason."""
     last = chunks[-1] if chunks else None
-    if last is None or last.finish_reason is None or last.usage is None:
+    if last is None or last.usage is None:
         raise Internal(f"request {request_id}: stream ended without a finish reason and usage")
-    logprobs = [lp for c in chunks for lp in (c.logprobs or ())] if want_logprobs else None
-    return Completion(
-        request_id=last.request_id,
-        token_ids=[t for c in chunks for t in c.token_ids],
-        text="".join(c.text for c in chunks),
-        finish_reason=last.finish_reason,
-        usage=last.usage,
-        logprobs=logprobs,
-    )
+    out = []
+    for index in range(n):
+        mine = [c for c in chunks if c.index == index]
+        if not mine or mine[-1].finish_reason is None:
+            raise Internal(f"request {request_id}: choice {index} ended without a finish "
+                           "reason")
+        logprobs = [lp for c in mine for lp in (c.logprobs or ())] if want_logprobs else None
+        out.append(Completion(
+            request_id=last.request_id,
+            token_ids=[t for c in mine for t in c.token_ids],
+            text="".join(c.text for c in mine),
+            finish_reason=mine[-1].finish_reason,
+            usage=last.usage,
+            logprobs=logprobs,
+            index=index,
+            prompt_logprobs=next((c.prompt_logprobs for c in mine if c.prompt_logprobs), None),
+            tool_calls=mine[-1].tool_calls,
+        ))
+    return out
 
 
 def model_cards(msg: pb.ListModelsResponse) -> list[ModelCard]:

@@ -21,7 +21,7 @@ import grpc
 from pdserve.client import channel, response
 from pdserve.client.config import make_config
 from pdserve.client.datatypes import Chunk, Completion, ModelCard
-from pdserve.client.errors import Internal, from_rpc_error
+from pdserve.client.errors import Internal, InvalidArgument, from_rpc_error
 from pdserve.client.request import GenerateKwargs, Prompt, build_request, make_options
 from pdserve.client.retry import Deadline, next_wait
 from pdserve.proto import pb, pb_grpc
@@ -77,7 +77,25 @@ class Client:
         none of it was returned yet.
         """
         opts = make_options(options)
+        if (opts.n or 1) > 1:
+            raise InvalidArgument("n: generate returns one completion; use generate_choices")
         request = build_request(prompt, opts)
+        chunks = self._collect(request, opts)
+        return response.assemble(chunks, request_id=request.request_id,
+                                 want_logprobs=opts.logprobs is not None)
+
+    def generate_choices(self, prompt: Prompt, **options: Unpack[GenerateKwargs]
+                         ) -> list[Completion]:
+        """`n` completions of the prompt (`n=` in options, default 1), sharing its prefill;
+        each samples with its own seed derived from the request's. In index order."""
+        opts = make_options(options)
+        request = build_request(prompt, opts)
+        chunks = self._collect(request, opts)
+        return response.assemble_choices(chunks, request_id=request.request_id,
+                                         want_logprobs=opts.logprobs is not None,
+                                         n=opts.n or 1)
+
+    def _collect(self, request: pb.GenerateRequest, opts) -> list[Chunk]:
         want_logprobs = opts.logprobs is not None
 
         def attempt(timeout: float | None) -> list[Chunk]:
@@ -89,8 +107,7 @@ class Client:
             finally:
                 call.cancel()
 
-        chunks = self._with_retries(attempt, self._config.timeout_for(opts.timeout))
-        return response.assemble(chunks, request_id=request.request_id, want_logprobs=want_logprobs)
+        return self._with_retries(attempt, self._config.timeout_for(opts.timeout))
 
     def stream(self, prompt: Prompt, **options: Unpack[GenerateKwargs]) -> Iterator[Chunk]:
         """Generates a completion for prompt, yielding chunks as the server produces them.

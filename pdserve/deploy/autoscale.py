@@ -19,7 +19,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from pdserve.deploy.spec import ROLES
+ROLES = ("prefill", "decode")
+"""The two worker pools, in the order they are reported."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,9 @@ class ScaleRule:
     """Bounds and thresholds of one pool."""
 
     min_replicas: int = 1
+    """Fewest workers the policy leaves (>= 1 under autoscaling)."""
     max_replicas: int = 8
+    """Most workers the policy asks for."""
     high: float = 1.0
     """Scale up above this (prefill: queued tokens per worker; decode: KV usage, 0..1)."""
     low: float = 0.0
@@ -95,8 +98,23 @@ class ScaleRule:
 
 @dataclass(frozen=True)
 class AutoscaleConfig:
+    """Autoscaling of both pools, run by the controller every `period_s`."""
+
     prefill: ScaleRule = field(default_factory=lambda: ScaleRule(high=2048.0, low=256.0))
+    """Prefill pool: on mean queued prefill tokens per worker."""
     decode: ScaleRule = field(default_factory=lambda: ScaleRule(high=0.8, low=0.3))
+    """Decode pool: on mean KV-cache usage (0..1) per worker."""
+    period_s: float = 15.0
+    """Seconds between decisions (a decision that scales waits for the new workers to load:
+    the next one comes a full period after it)."""
+
+    def __post_init__(self) -> None:
+        if not self.period_s > 0:
+            raise ValueError(f"AutoscaleConfig.period_s must be > 0, got {self.period_s}")
+        for role in ROLES:
+            if self.rule(role).min_replicas < 1:  # an empty pool reports no load: never regrows
+                raise ValueError(f"autoscale.{role}.min_replicas must be >= 1, got "
+                                 f"{self.rule(role).min_replicas}")
 
     def rule(self, role: str) -> ScaleRule:
         return self.prefill if role == "prefill" else self.decode

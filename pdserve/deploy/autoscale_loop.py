@@ -1,64 +1,37 @@
-"""The autoscaling loop: one `AutoscalePolicy` decision every `period_s`, applied by whatever
-owns the pools — `RayCluster.autoscale_once` in the same process, or the controller actor of a
-running `pdserve ray up --autoscale` (through `controller.RemoteCluster`).
+"""When the controller takes its next autoscaling decision (`Cadence`), and how a decision
+reads in a log (`describe`). Pure: time comes in as arguments, so a test drives it with a
+fake clock.
 
-    stop = threading.Event()
-    autoscale_loop(cluster, AutoscalePolicy(config), stop.wait, period_s=15.0)
+    cadence = Cadence(period_s=15.0, now=clock())
+    if cadence.due(clock()):
+        started = clock(); ...decide and apply...; cadence.done(started, clock())
 
-Time comes in as arguments (`wait`, `clock`), so a test drives the loop with a fake clock and
-a fake cluster, without sleeping and without Ray. The policy's hysteresis state lives with the
-cluster (it survives a failed round); this loop keeps none.
+The first decision comes one period after the start, when the workers have had time to take
+load. A round that overran the period (a scale-up waits for model loads) is followed by a
+full period, so new workers take load before the pool is judged again; otherwise the cadence
+is kept. A failed round counts as a round: the loop goes on.
 """
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable
-from typing import Protocol
-
-from pdserve.deploy.autoscale import AutoscalePolicy, Decision
-
-log = logging.getLogger(__name__)
-
-DEFAULT_PERIOD_S = 15.0
+from pdserve.deploy.autoscale import Decision
 
 
-class Autoscalable(Protocol):
-    def autoscale_once(self, policy: AutoscalePolicy) -> Decision:
-        """Observe the pools, decide with `policy`, apply; the decision."""
-        ...
+class Cadence:
+    def __init__(self, period_s: float, now: float) -> None:
+        if not period_s > 0:
+            raise ValueError(f"autoscale period_s must be > 0, got {period_s}")
+        self.period_s = period_s
+        self.next_at = now + period_s
 
+    def due(self, now: float) -> bool:
+        return now >= self.next_at
 
-def autoscale_loop(cluster: Autoscalable, policy: AutoscalePolicy,
-                   wait: Callable[[float], bool], period_s: float = DEFAULT_PERIOD_S,
-                   clock: Callable[[], float] = time.monotonic,
-                   logger: logging.Logger = log) -> int:
-    """Decide and apply every `period_s` until `wait(seconds)` returns True (a stop was asked;
-    `threading.Event.wait` fits). The first decision comes one period after the start, when the
-    workers have had time to take load. Every decision is logged with its reasons; a failed
-    round (a worker that could not be placed, an actor that did not answer) is logged and the
-    loop goes on. Returns how many decisions were made."""
-    if not period_s > 0:
-        raise ValueError(f"autoscale period_s must be > 0, got {period_s}")
-    decisions = 0
-    next_at = clock() + period_s
-    while not wait(max(0.0, next_at - clock())):
-        try:
-            decision = cluster.autoscale_once(policy)
-        except Exception as exc:  # one failed round must not end autoscaling for good
-            logger.warning("autoscale: round failed (%s: %s); next in %gs",
-                           type(exc).__name__, exc, period_s)
-        else:
-            decisions += 1
-            logger.info("autoscale: %s", describe(decision))
-        next_at += period_s
-        now = clock()
-        if next_at <= now:
-            # The round overran (a scale-up waits for model loads): give the new workers a full
-            # period of load before the next look, rather than deciding again at once.
-            next_at = now + period_s
-    return decisions
+    def done(self, started: float, now: float) -> None:
+        """A round that began at `started` ended at `now`."""
+        self.next_at = max(self.next_at, started) + self.period_s
+        if self.next_at <= now:
+            self.next_at = now + self.period_s
 
 
 def describe(decision: Decision) -> str:

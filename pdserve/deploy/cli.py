@@ -1,12 +1,18 @@
-"""`pdserve ray ...`: a deployment on a Ray cluster, through the controller actor.
+"""`pdserve ray ...`: a deployment on a Ray cluster, through its controller actor.
 
-    pdserve ray up --model DIR --redis URL [--address auto] [--prefill N] [--decode M]
-                   [--prefill-tp T] [--decode-tp T] [--gpus-per-rank G] [--host H] ...
-                   [--autoscale [--autoscale-period S] [--prefill-min N] [--prefill-max N]
-                                [--decode-min N] [--decode-max N]]
-                   (Ctrl-C stops it)
-    pdserve ray scale --role decode --replicas K [--address auto]
-    pdserve ray status [--address auto]
+    pdserve ray up [-f deploy.yaml] [--model DIR] [--redis URL] [--detach] [flags...]
+    pdserve ray status [--json]
+    pdserve ray scale --role router|prefill|decode --replicas N [--no-wait]
+    pdserve ray logs NAME [--lines N]
+    pdserve ray down
+
+Every command takes --address (default $RAY_ADDRESS, else auto) and --name (the deployment,
+default pdserve). `up` without --detach keeps the deployment as long as the command runs
+(Ctrl-C stops it); with --detach it returns once everything is ready and the deployment lives
+on in the cluster until `pdserve ray down`. Every setting of the deployment schema is a flag
+(`deploy.flags`) and a key of the YAML file. On a cluster with token authentication (Ray 2.60's
+default when a token exists) set RAY_AUTH_MODE=token and give the token ($RAY_AUTH_TOKEN,
+$RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token).
 
 Imports nothing heavy until a command runs (Ray itself only then).
 """
@@ -14,168 +20,201 @@ Imports nothing heavy until a command runs (Ray itself only then).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import signal
 import sys
 import threading
+import time
 
-from pdserve.deploy.autoscale import AutoscaleConfig, AutoscalePolicy
-from pdserve.deploy.autoscale_loop import DEFAULT_PERIOD_S, autoscale_loop
-from pdserve.deploy.spec import ROLES, PoolSpec, RayClusterSpec, RouterSpec
+from pdserve.deploy import flags
+
+ROLES_SCALABLE = ("router", "prefill", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="ray_cmd", required=True)
-    up = sub.add_parser("up", help="start a deployment; Ctrl-C stops it")
-    _add_address(up)
-    up.add_argument("--model", required=True, help="checkpoint dir, same path on every node")
-    up.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
-                    help="Redis registry and KV index (default: $PDSERVE_REDIS_URL)")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    up.add_argument("--decode", type=int, default=1, help="decode workers")
-    up.add_argument("--prefill-tp", type=int, default=1)
-    up.add_argument("--decode-tp", type=int, default=1)
-    up.add_argument("--cpus-per-rank", type=float, default=1.0)
-    up.add_argument("--gpus-per-rank", type=float, default=0.0, help="1 on GPU nodes")
-    up.add_argument("--host", default="",
-                    help="address every process binds (default: the IP of its Ray node)")
-    up.add_argument("--port", type=int, default=50051, help="router gRPC port")
-    up.add_argument("--http-port", type=int, default=8000, help="router HTTP port (-1 = none)")
-    up.add_argument("--worker-arg", action="append", default=[],
-                    help="extra flag for every worker (repeatable): --worker-arg=--dtype=bfloat16")
-    _add_autoscale(up)
-    scale = sub.add_parser("scale", help="resize one pool of the running deployment")
-    _add_address(scale)
-    scale.add_argument("--role", required=True, choices=("prefill", "decode"))
+    up = sub.add_parser("up", help="start a deployment (--detach: it outlives this command)",
+                        description="Start a deployment. Flags override the file's values.")
+    _common(up)
+    up.add_argument("-f", "--file", default=None, metavar="DEPLOY.YAML",
+                    help="deployment file (the schema of pdserve.deploy.spec.RayClusterSpec)")
+    up.add_argument("--detach", action="store_true",
+                    help="return once ready; the deployment lives on until `pdserve ray down`")
+    up.add_argument("--timeout", type=float, default=None, metavar="S",
+                    help="longest wait for every process to be ready (default: placement + "
+                         "ready timeouts)")
+    flags.add_flags(up)
+    status = sub.add_parser("status", help="every process, its phase and addresses")
+    _common(status)
+    status.add_argument("--json", action="store_true", help="the full status as JSON")
+    scale = sub.add_parser("scale", help="resize one role of the running deployment")
+    _common(scale)
+    scale.add_argument("--role", required=True, choices=ROLES_SCALABLE)
     scale.add_argument("--replicas", required=True, type=int)
-    _add_address(sub.add_parser("status", help="the pools' workers and addresses (JSON)"))
+    scale.add_argument("--no-wait", action="store_true",
+                       help="return at once (`pdserve ray status` shows the progress)")
+    scale.add_argument("--timeout", type=float, default=600.0, metavar="S")
+    logs = sub.add_parser("logs", help="the last lines of one process's stderr, and where "
+                                       "its full log is")
+    _common(logs)
+    logs.add_argument("process", metavar="NAME", help="e.g. decode-0 (see `status`)")
+    logs.add_argument("--lines", type=int, default=40)
+    down = sub.add_parser("down", help="stop every process and the controller")
+    _common(down)
 
 
-def _add_address(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
-
-
-def _add_autoscale(up: argparse.ArgumentParser) -> None:
-    g = up.add_argument_group("autoscaling (docs/runbooks/scaling-prefill.md, scaling-decode.md)")
-    g.add_argument("--autoscale", action="store_true",
-                   help="resize each pool on its own load: prefill on queued prefill tokens, "
-                        "decode on KV-cache usage")
-    g.add_argument("--autoscale-period", type=float, default=DEFAULT_PERIOD_S, metavar="S",
-                   help=f"seconds between decisions (default {DEFAULT_PERIOD_S:g})")
-    default = AutoscaleConfig()
-    for role in ROLES:
-        rule = default.rule(role)
-        g.add_argument(f"--{role}-min", type=int, default=None, metavar="N",
-                       help=f"fewest {role} workers (default {rule.min_replicas})")
-        g.add_argument(f"--{role}-max", type=int, default=None, metavar="N",
-                       help=f"most {role} workers (default {rule.max_replicas})")
-
-
-def autoscale_config(a: argparse.Namespace) -> AutoscaleConfig | None:
-    """The autoscaling policy's config from `ray up`'s flags (None without --autoscale): the
-    bounds from the flags, the thresholds `AutoscaleConfig`'s defaults. ValueError, naming the
-    flag, for bounds that cannot work."""
-    bounds = {f"--{role}-{end}": getattr(a, f"{role}_{end}") for role in ROLES
-              for end in ("min", "max")}
-    if not a.autoscale:
-        given = [flag for flag, value in bounds.items() if value is not None]
-        if given:
-            raise ValueError(f"{', '.join(given)}: bounds for --autoscale, which is not set")
-        return None
-    if not a.autoscale_period > 0:
-        raise ValueError(f"--autoscale-period must be > 0, got {a.autoscale_period}")
-    default, rules = AutoscaleConfig(), {}
-    for role in ROLES:
-        rule, start = default.rule(role), getattr(a, role)
-        lo = rule.min_replicas if bounds[f"--{role}-min"] is None else bounds[f"--{role}-min"]
-        hi = rule.max_replicas if bounds[f"--{role}-max"] is None else bounds[f"--{role}-max"]
-        if lo < 1:  # an empty pool reports no load, so nothing would ever grow it again
-            raise ValueError(f"--{role}-min must be >= 1 with --autoscale, got {lo}")
-        if lo > hi:
-            raise ValueError(f"--{role}-min ({lo}) must be <= --{role}-max ({hi})")
-        if not lo <= start <= hi:
-            raise ValueError(f"--{role} ({start}) must be within --{role}-min ({lo}) and "
-                             f"--{role}-max ({hi})")
-        rules[role] = dataclasses.replace(rule, min_replicas=lo, max_replicas=hi)
-    return AutoscaleConfig(**rules)
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default=None,
+                   help="Ray cluster address (default: $RAY_ADDRESS, else auto)")
+    p.add_argument("--name", default=None,
+                   help="deployment name (default: the file's, else pdserve)")
 
 
 def run(a: argparse.Namespace) -> int:
+    from pdserve.deploy.api import DeployError
+
+    prog = f"pdserve ray {a.ray_cmd}"
     if a.ray_cmd == "up":
         try:  # flags first: a mistake must not wait for Ray
-            spec, autoscale = up_spec(a), autoscale_config(a)
+            spec = up_spec(a)
         except ValueError as exc:
-            print(f"pdserve ray up: {exc}", file=sys.stderr)
+            print(f"{prog}: {flags.explain(str(exc))}", file=sys.stderr)
             return 2
-    import ray
-
-    from pdserve.deploy.controller import NAME, NAMESPACE
-
-    ray.init(address=a.address, namespace=NAMESPACE, log_to_driver=False)
-    if a.ray_cmd == "up":
-        return _up(ray, NAME, spec, autoscale, a.autoscale_period)
-    controller = ray.get_actor(NAME)
-    if a.ray_cmd == "scale":
-        changed = ray.get(controller.scale.remote(a.role, a.replicas))
-        print(f"{a.role} -> {a.replicas}: {' '.join(changed) or 'no change'}")
-    print(json.dumps(ray.get(controller.status.remote()), indent=2))
-    return 0
+    try:
+        if a.ray_cmd == "up":
+            return _up(a, spec)
+        return {"status": _status, "scale": _scale, "logs": _logs, "down": _down}[a.ray_cmd](a)
+    except DeployError as exc:
+        print(f"{prog}: {exc}", file=sys.stderr)
+        return 1
 
 
-def up_spec(a: argparse.Namespace) -> RayClusterSpec:
-    """The deployment `ray up`'s flags describe (ValueError from the spec's own checks)."""
-    def pool(role: str, n: int, tp: int) -> PoolSpec:
-        return PoolSpec(role, replicas=n, tp=tp, cpus_per_rank=a.cpus_per_rank,
-                        gpus_per_rank=a.gpus_per_rank, worker_args=tuple(a.worker_arg))
+def up_spec(a: argparse.Namespace):
+    """The deployment `ray up` describes: the file, then the flags over it (ValueError, with
+    the file and field named, from the schema's checks)."""
+    import yaml
 
-    return RayClusterSpec(model=a.model, redis_url=a.redis,
-                          prefill=pool("prefill", a.prefill, a.prefill_tp),
-                          decode=pool("decode", a.decode, a.decode_tp),
-                          router=RouterSpec(port=a.port, http_port=a.http_port), host=a.host)
+    from pdserve.deploy.spec import load_spec
+
+    file_has_autoscale = False
+    if a.file is not None:
+        try:
+            data = yaml.safe_load(open(a.file).read()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(f"{a.file}: {exc}") from None
+        file_has_autoscale = isinstance(data, dict) and data.get("autoscale") is not None
+    over = flags.overrides(a, file_has_autoscale)
+    if a.name is not None:
+        over["name"] = a.name
+    return load_spec(a.file, over)
 
 
-def _up(ray, name: str, spec: RayClusterSpec, autoscale: AutoscaleConfig | None,
-        period_s: float) -> int:
-    from pdserve.deploy.controller import Controller, spec_to_dict
-    from pdserve.observability.logs import configure_logging
+def _deployment(a: argparse.Namespace):
+    from pdserve.deploy.api import Deployment
 
-    configure_logging("ray-up", "", os.environ)  # the autoscaler's decisions, on stderr
-    controller = ray.remote(Controller).options(name=name, num_cpus=0).remote(spec_to_dict(spec))
+    return Deployment.connect(a.name or "pdserve", address=a.address)
+
+
+def _up(a: argparse.Namespace, spec) -> int:
+    from pdserve.deploy.api import Deployment
+
+    print(f"starting deployment {spec.name!r}: {_sizes(spec.replicas())} ...", flush=True)
+    d = Deployment.up(spec, address=a.address, detach=a.detach, timeout_s=a.timeout)
+    st = d.status()
+    print(format_status(st), flush=True)
+    if a.detach:
+        print(f"detached: `pdserve ray status --name {spec.name}` shows it, "
+              f"`pdserve ray down --name {spec.name}` stops it.", flush=True)
+        return 0
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    scaler = None
+    print("Ctrl-C stops the deployment (or start it with --detach).", flush=True)
+    seen = max((e.at for e in st.events), default=0.0)
     try:
-        print(json.dumps(ray.get(controller.start.remote()), indent=2), flush=True)
-        print("Ctrl-C stops the deployment; `pdserve ray scale` resizes a pool.", flush=True)
-        if autoscale is not None:
-            scaler = _start_autoscaler(ray, controller, autoscale, period_s, stop)
-        while not stop.wait(10.0):
-            replaced = ray.get(controller.check.remote())
-            if replaced:
-                print(f"replaced: {' '.join(replaced)}", file=sys.stderr, flush=True)
+        while not stop.wait(2.0):
+            for e in d.status().events:  # what the controller did meanwhile
+                if e.at > seen:
+                    print(f"{_clock(e.at)} {e.what}", file=sys.stderr, flush=True)
+                    seen = e.at
     finally:
-        stop.set()
-        if scaler is not None:
-            scaler.join()  # a round in progress ends first (the actor would make stop wait)
-        ray.get(controller.stop.remote())
-        ray.kill(controller)
+        print(f"stopping deployment {spec.name!r} ...", flush=True)
+        d.down()
     return 0
 
 
-def _start_autoscaler(ray, controller, config: AutoscaleConfig, period_s: float,
-                      stop: threading.Event) -> threading.Thread:
-    """`autoscale_loop` on a thread of this driver, against the controller actor, until `stop`
-    is set; it logs every decision with its reasons."""
-    from pdserve.deploy.controller import RemoteCluster
+def _status(a: argparse.Namespace) -> int:
+    from pdserve.deploy import schema
 
-    bounds = ", ".join(f"{role} [{config.rule(role).min_replicas}, "
-                       f"{config.rule(role).max_replicas}]" for role in ROLES)
-    print(f"autoscaling every {period_s:g}s within {bounds}", flush=True)
-    thread = threading.Thread(target=autoscale_loop, name="pdserve-autoscaler", daemon=True,
-                              args=(RemoteCluster(controller, ray.get), AutoscalePolicy(config),
-                                    stop.wait, period_s))
-    thread.start()
-    return thread
+    t = time.monotonic()
+    st = _deployment(a).status()
+    took = time.monotonic() - t
+    if a.json:
+        print(json.dumps(schema.dump(st), indent=2))
+    else:
+        print(format_status(st))
+        print(f"(answered in {took:.2f}s)")
+    return 0
+
+
+def _scale(a: argparse.Namespace) -> int:
+    d = _deployment(a)
+    change = d.scale(a.role, a.replicas, wait=not a.no_wait, timeout_s=a.timeout)
+    print(f"{a.role}: {change['from']} -> {change['to']}"
+          + (f" ({change['note']})" if change["note"] else ""))
+    print(format_status(d.status()))
+    return 0
+
+
+def _logs(a: argparse.Namespace) -> int:
+    out = _deployment(a).logs(a.process, a.lines)
+    print(f"# {a.process} on {out['node']}: full log {out['log']}")
+    for line in out["lines"]:
+        print(line)
+    return 0
+
+
+def _down(a: argparse.Namespace) -> int:
+    stopped = _deployment(a).down()
+    print(f"stopped: {' '.join(stopped) or 'nothing was running'}; controller removed")
+    return 0
+
+
+def format_status(st) -> str:
+    """A table of every process with its addresses, then the latest events."""
+    ready = {role: sum(1 for p in st.of(role) if p.phase == "ready") for role in st.targets}
+    head = ", ".join(f"{role} {ready[role]}/{n}" for role, n in st.targets.items())
+    lines = [f"deployment {st.name}: {head} ready" + ("" if st.converged else " (converging)")]
+    cols = ("NAME", "PHASE", "GRPC", "METRICS", "HTTP", "KV", "NODE", "PID", "AGE", "LOG")
+    rows = [cols] + [(p.name, p.phase, p.grpc or "-", p.metrics or "-", p.http or "-",
+                      p.kv or "-", p.node or "-", str(p.pid) if p.pid > 0 else "-",
+                      f"{p.age_s:.0f}s", p.log or "-") for p in st.processes]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]
+    for p in st.processes:
+        if p.error:
+            lines.append(f"  {p.name}: {p.error}")
+    if st.backoff:
+        lines.append("  failing starts: " + ", ".join(f"{r} x{n}" for r, n in
+                                                       st.backoff.items()))
+    if st.autoscale:
+        lines.append(f"  autoscale: {st.autoscale}")
+    if st.events:
+        lines.append("recent events:")
+        lines += [f"  {_clock(e.at)} {e.what.splitlines()[0]}" for e in st.events[-8:]]
+    return "\n".join(lines)
+
+
+def _sizes(targets: dict[str, int]) -> str:
+    return ", ".join(f"{n} {role}" for role, n in targets.items())
+
+
+def _clock(at: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(at))
+
+
+if __name__ == "__main__":  # `python -m pdserve.deploy.cli` = `pdserve ray`
+    parser = argparse.ArgumentParser(prog="pdserve ray")
+    add_arguments(parser)
+    sys.exit(run(parser.parse_args()))

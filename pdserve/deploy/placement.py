@@ -48,13 +48,19 @@ def router_request(router: RouterSpec) -> ActorRequest:
     return ActorRequest(num_cpus=router.num_cpus, num_gpus=0.0, resources=dict(router.resources))
 
 
-def worker_args(model: str, pool: PoolSpec, worker_id: str, host: str) -> list[str]:
-    """The flags of one worker process (the Redis URL goes in its environment instead)."""
+def worker_args(model: str, pool: PoolSpec, worker_id: str, host: str,
+                drain_timeout_s: float | None = None) -> list[str]:
+    """The flags of one worker process (the Redis URL goes in its environment instead). Its
+    metrics port is any free one (`--metrics-port 0`), announced and shown by `status`."""
+    drain = [] if drain_timeout_s is None else ["--drain-timeout", f"{drain_timeout_s:g}"]
     return ["--model", model, "--host", host, "--port", "0", "--worker-id", worker_id,
-            "--tp", str(pool.tp), "--threads", str(pool.worker_threads), *pool.worker_args]
+            "--metrics-port", "0", "--tp", str(pool.tp), "--threads", str(pool.worker_threads),
+            *drain, *pool.worker_args]
 
 
-def router_args(model: str, router: RouterSpec, host: str) -> list[str]:
+def router_args(model: str, router: RouterSpec, host: str,
+                shutdown_grace_s: float | None = None) -> list[str]:
     """The router's flags: no worker lists, it discovers both pools in Redis."""
+    grace = [] if shutdown_grace_s is None else ["--shutdown-grace", f"{shutdown_grace_s:g}"]
     return ["--model", model, "--host", host, "--port", str(router.port),
-            "--http-port", str(router.http_port), *router.args]
+            "--http-port", str(router.http_port), *grace, *router.args]

@@ -9,7 +9,8 @@ from typing import Any
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    """Directory of a Hugging Face checkpoint (config.json + safetensors + tokenizer)."""
+    """The checkpoint: a Hugging Face directory (config.json + safetensors + tokenizer), a .gguf
+    file, or a directory holding one .gguf (see pdserve/engine/checkpoint)."""
     dtype: str = "auto"
     """Weights/activations dtype: auto (the checkpoint's), float32, bfloat16, float16."""
     device: str = "auto"
@@ -29,7 +30,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prefixes across requests."""
     attention_backend: str = "auto"
-    """torch (reference), triton, or auto (triton on CUDA)."""
+    """torch (reference), cpu (C++ paged attention reading blocks in place), triton, or auto
+    (triton on CUDA; on the CPU the C++ kernels when they build, else torch)."""
+    compile_decode: str = "off"
+    """How decode-only steps run: off (eager), inductor (torch.compile, CPU or GPU: the first
+    decode step compiles), cuda_graphs (CUDA: graphs captured for a ladder of batch sizes).
+    Needs a traceable attention backend (cpu, triton); others run eager."""
     tensor_parallel_size: int = 1
     """Ranks that shard each layer (see pdserve.engine.tp for the multi-process driver)."""
     enable_expert_parallel: bool = False
@@ -38,14 +44,21 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's own RNG, which draws per-request seeds for unseeded requests."""
     quantization: str | None = None
-    """None or "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations)."""
+    """None, "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations) or
+    "int4" (W4A16: 4-bit group-quantised weights, 16-bit activations). A quantised checkpoint
+    (GPTQ, AWQ, FP8: quantization_config in config.json) runs its own scheme either way."""
+    lm_head_dtype: str = "auto"
+    """Precision of the LM head's matmul: model (the model's dtype), bf16 (a bf16 copy), int4
+    (a 4-bit copy), or auto (the quantisation scheme's default; "model" without one). A tied
+    embedding keeps its full-precision rows for the lookup."""
     kv_cache_dtype: str = "auto"
     """auto (same as the model) or fp8 (E4M3 with per-block scales)."""
     speculative_config: dict[str, Any] | None = field(default=None, hash=False)
     """vLLM-style: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
     or {"model": DRAFT_DIR, "num_speculative_tokens": k}."""
     model_id: str = ""
-    """Name under which the model is served and hashed (default: the directory name)."""
+    """Name under which the model is served and hashed (default: the checkpoint directory's
+    name, or a .gguf file's stem)."""
     kv_host_gb: float = 0.0
     """Host-memory KV tier (GiB, pinned on CUDA): blocks evicted from the device cache are
     kept here and loaded back on a prefix hit (0 = off). Needs prefix caching. With TP > 1
@@ -71,9 +84,16 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.quantization not in (None, "fp8"):
-            raise ValueError(f"quantization must be None or 'fp8', got {self.quantization!r}")
+        if self.quantization not in (None, "fp8", "int4"):
+            raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
+                             f"{self.quantization!r}")
+        if self.lm_head_dtype not in ("auto", "model", "bf16", "int4"):
+            raise ValueError(f"lm_head_dtype must be auto, model, bf16 or int4, got "
+                             f"{self.lm_head_dtype!r}")
         _check_tiers(self)
+        if self.compile_decode not in ("off", "inductor", "cuda_graphs"):
+            raise ValueError("compile_decode must be 'off', 'inductor' or 'cuda_graphs', got "
+                             f"{self.compile_decode!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")

@@ -20,11 +20,14 @@ def cdiv(a: int, b: int) -> int:
 
 class KVCacheManager:
     def __init__(self, pool: BlockPool, hash_extra: bytes,
-                 tiers: TierManager | None = None) -> None:
+                 tiers: TierManager | None = None,
+                 copy_blocks: Callable[[list[tuple[int, int]]], None] | None = None) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.hash_extra = hash_extra
         self.tiers = tiers  # host / SSD tiers below the device pool (None: device only)
+        # Copies KV between device blocks, (src, dst) pairs, on every rank (None: no copies).
+        self.copy_blocks = copy_blocks
 
     def update_hashes(self, req: Request) -> None:
         """Extend `req.block_hashes` over every full block of its known tokens (mutates req)."""
@@ -39,8 +42,8 @@ class KVCacheManager:
     def match_prefix(self, req: Request) -> list[int]:
         """Leading cached blocks for `req` (not taken). At least one token is left to compute,
         because the model must run on the last token to produce logits."""
-        if not self.pool.enable_caching:
-            return []
+        if not self.pool.enable_caching or req.params.prompt_logprobs is not None:
+            return []  # prompt scoring needs the logits of every prompt position
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         bs = self.block_size
@@ -134,7 +137,8 @@ class KVCacheManager:
 
     def admit(self, req: Request, cached_blocks: list[int], num_new_tokens: int) -> bool:
         """Take the prefix hit and allocate room for `num_new_tokens` more (mutates req and the
-        pool on success; changes nothing on failure)."""
+        pool on success; changes nothing on failure). Blocks the request held before (a
+        settled pull's) are dropped once the hit has taken its own references to them."""
         bs = self.block_size
         computed = len(cached_blocks) * bs
         need = cdiv(computed + num_new_tokens, bs) - len(cached_blocks)
@@ -142,13 +146,47 @@ class KVCacheManager:
         taken_from_free = sum(1 for b in cached_blocks if self.pool.ref_count(b) == 0)
         if need > self.pool.num_free - taken_from_free:
             return False
+        held = req.block_ids
         for b in cached_blocks:
             self.pool.take(b)
         new = self.pool.allocate(need)
         assert new is not None
         req.block_ids = cached_blocks + new
         req.num_computed_tokens = computed
+        self.pool.free(list(reversed(held)))
         return True
+
+    def reserve_pull(self, req: Request, source_blocks: int) -> tuple[int, list[int]] | None:
+        """Hold what a pull of `req`'s leading blocks needs: our own leading blocks [0, c)
+        pinned, fresh blocks for [c, m) where m is what the source holds, one token short of
+        the request's end (the last token is always computed). Returns (c, fresh blocks), or
+        None with nothing held when there is nothing to pull: we hold as much, no block is
+        free, or cached blocks could never be found (mutates req.block_ids and the pool)."""
+        if not self.pool.enable_caching:
+            return None
+        limit = min(source_blocks, (req.num_tokens - 1) // self.block_size)
+        own = self.pin_leading(req.all_token_ids, 0, limit)
+        fresh = self.pool.allocate(max(0, min(limit - len(own), self.pool.num_free))) or []
+        if not fresh:
+            self.unpin(own)
+            return None
+        req.block_ids = own + fresh
+        return len(own), fresh
+
+    def settle_pull(self, req: Request, start: int, landed: int) -> int:
+        """A pull into `req.block_ids[start:]` is over and `landed` leading blocks of it hold
+        their KV: publish those under their hashes (first writer wins: a block computed
+        meanwhile stays the findable one), free the rest; returns how many landed. Nothing
+        may write the freed blocks any more (the caller stopped the transfer first)."""
+        self.update_hashes(req)
+        bs, fresh = self.block_size, req.block_ids[start:]
+        landed = max(0, min(landed, len(fresh)))
+        for i in range(start, start + landed):
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i],
+                                  req.token_slice(i * bs, (i + 1) * bs))
+        self.pool.free(list(reversed(fresh[landed:])))
+        del req.block_ids[start + landed:]
+        return landed
 
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for `num_new_tokens` beyond `req.num_computed_tokens` (mutates on success)."""
@@ -178,6 +216,32 @@ class KVCacheManager:
         self.pool.free(list(reversed(req.block_ids)))
         req.block_ids = []
         req.num_published_blocks = 0
+
+    def fork(self, parent: Request, child: Request) -> bool:
+        """Give `child` (the same prompt) the KV of every prompt token but the last: a
+        reference to each of the parent's full blocks, and a copy of the block the last
+        prompt token falls in, up to that token (copy-on-write: the parent goes on writing
+        its own). The child then computes only the last prompt token. False, changing
+        nothing, when the copy has no free block or no copier (mutates child and the pool)."""
+        bs = self.block_size
+        upto = parent.num_prompt_tokens - 1
+        keep, partial = divmod(upto, bs)
+        fresh: list[int] = []
+        if partial:
+            if self.copy_blocks is None:
+                return False
+            got = self.pool.allocate(1)
+            if got is None:
+                return False
+            fresh = got
+            self.copy_blocks([(parent.block_ids[keep], fresh[0])])
+        for b in parent.block_ids[:keep]:
+            self.pool.take(b)
+        child.block_ids = parent.block_ids[:keep] + fresh
+        child.block_hashes = list(parent.block_hashes[:keep])
+        child.num_published_blocks = min(keep, parent.num_published_blocks)
+        child.num_computed_tokens = upto
+        return True
 
     def trim(self, req: Request, num_tokens: int) -> None:
         """Drop blocks beyond what `num_tokens` tokens need (speculative rollback)."""

@@ -1,6 +1,6 @@
 """`LLM`: the single-process engine for offline use and as the parity reference.
 
-    llm = LLM(model_dir)
+    llm = LLM(model_path)     # HF directory, FILE.gguf, or None: the embedded default model
     outs = llm.generate(["Hello", [1, 2, 3]], SamplingParams(max_tokens=8, temperature=0))
 """
 
@@ -10,12 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.text_stream import TextStream
-from pdserve.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -26,9 +27,11 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     logprobs: list[TokenLogprobs] | None
     num_cached_tokens: int
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `prompt_logprobs`: one entry per prompt token after the first."""
 
 
 @dataclass
@@ -39,13 +42,21 @@ class _Pending:
     tokens: list[int]
     logprobs: list[TokenLogprobs | None]
     cached: int = 0
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class LLM:
-    def __init__(self, model_path: str, **options: Any) -> None:
+    def __init__(self, model_path: str | None = None, **options: Any) -> None:
+        """`model_path`: a Hugging Face checkpoint directory, a .gguf file or a directory
+        holding one; None serves the embedded default model (pdserve/default_model.py)."""
+        if model_path is None:
+            from pdserve.default_model import ensure_default_model
+
+            model_path = ensure_default_model()
         self.config = EngineConfig(model=str(model_path), **options)
-        self.tokenizer = Tokenizer.from_pretrained(model_path)
-        self.engine = LLMEngine(self.config)
+        checkpoint = open_checkpoint(model_path)
+        self.tokenizer = checkpoint.tokenizer()
+        self.engine = LLMEngine(self.config, checkpoint=checkpoint)
         self._counter = 0
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -88,17 +99,20 @@ class LLM:
         st.tokens.extend(out.new_token_ids)
         st.logprobs.extend(out.new_logprobs)
         st.cached = out.num_cached_tokens
+        if out.prompt_logprobs is not None:
+            st.prompt_logprobs = out.prompt_logprobs
         delta = st.stream.add(out.new_token_ids, final=out.finished)
         reason = out.finish_reason
         if delta.stopped and not out.finished:
             self.engine.finish_stopped(out.request_id)
-            reason = "stop"
+            reason = FinishReason.STOP
         if reason is None:
             return
         del pending[out.request_id]
         lps = st.logprobs if any(lp is not None for lp in st.logprobs) else None
         results[st.index] = CompletionOutput(
-            out.request_id, st.prompt_ids, st.tokens, st.stream.text, reason, lps, st.cached)
+            out.request_id, st.prompt_ids, st.tokens, st.stream.text, reason, lps, st.cached,
+            st.prompt_logprobs)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -1,74 +1,51 @@
-"""Reading Hugging Face checkpoints: single or sharded safetensors, lazily, one tensor at a time."""
+"""Building a model and loading a checkpoint's weights into it, one tensor at a time.
+
+The checkpoint (pdserve/engine/checkpoint) hides the file format: it yields Hugging Face
+parameter names with dense tensors, or `Int4Weight`s when 4-bit weights are asked for and the
+file stores them natively.
+"""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
-from pathlib import Path
-
 import torch
-from safetensors import safe_open
 
+from pdserve.engine.checkpoint import Checkpoint
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
-from pdserve.engine.quant.checkpoint import (
-    adapt_fp8_checkpoint,
-    install_quantization,
-    resolve_quantization,
-)
+from pdserve.engine.quant.checkpoint import resolve_quantization
+from pdserve.engine.quant.lm_head import install_lm_head, resolve_lm_head
+from pdserve.engine.quant.scheme import install_quantization
 
 
-def checkpoint_files(model_dir: Path) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [model_dir / f for f in sorted(set(weight_map.values()))]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"no safetensors weights in {model_dir}")
-    return files
-
-
-def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                yield name, f.get_tensor(name)
-
-
-def weight_shapes(model_dir: Path) -> dict[str, list[int]]:
-    """Every tensor's shape, from the file headers only (no tensor data is read)."""
-    shapes: dict[str, list[int]] = {}
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                shapes[name] = list(f.get_slice(name).get_shape())
-    return shapes
-
-
-def load_model(model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype,
+def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
-               quantization: str | None = None) -> torch.nn.Module:
-    """Build and load the model; `quantization` ("fp8") quantises its linear layers, and an
-    FP8 checkpoint (quantization_config in config.json) is loaded as FP8 whatever it says."""
-    model_dir = Path(model_dir)
-    scheme = resolve_quantization(quantization, model_dir)
+               quantization: str | None = None, lm_head_dtype: str = "auto") -> torch.nn.Module:
+    """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
+    and a quantised checkpoint (quantization_config in config.json) loads as it is stored;
+    `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`)."""
+    scheme = resolve_quantization(quantization, checkpoint.path)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
-        if scheme is not None:  # before loading: FP8 checkpoints load into FP8 parameters
+        if scheme is not None:  # before loading: quantised layers load into their own layout
             install_quantization(model, scheme)
-    weights = iter_weights(model_dir)
-    if scheme is not None and scheme.serialized:
-        weights = adapt_fp8_checkpoint(weights, weight_shapes(model_dir))
+        install_lm_head(model, resolve_lm_head(lm_head_dtype, scheme), cfg.tie_word_embeddings)
+    # Under W4A16 a format with native 4-bit blocks (GGUF Q4_*) hands them over as Int4Weight.
+    int4 = scheme is not None and scheme.family == "int4"
+    weights = checkpoint.iter_weights(prefer_int4=int4)
+    if scheme is not None:
+        weights = scheme.adapt(weights, checkpoint.weight_shapes)
     loaded = model.load_weights(weights)
     expected = {n for n, _ in model.named_parameters()}
     missing = expected - loaded
     if missing:
         raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:5]}")
-    for module in model.modules():
+    for name, module in model.named_modules():
         method = getattr(module, "method", None)
         if method is not None:
-            method.finalize(module)
+            try:
+                method.finalize(module)
+            except ValueError as e:
+                raise ValueError(f"{name}: {e}") from e
     return model.eval()

@@ -60,6 +60,9 @@ class RopeConfig:
     theta: float = 10000.0
     rope_type: str = "default"
     params: tuple[tuple[str, float], ...] = ()
+    freq_factors: tuple[float, ...] = ()
+    """One divisor per rotary frequency (head_dim / 2 of them), applied after the schedule:
+    how GGUF files state Llama 3.1's scaling (`rope_freqs.weight`). Empty: none."""
 
     def get(self, key: str, default: float | None = None) -> float | None:
         return dict(self.params).get(key, default)

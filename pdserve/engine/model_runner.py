@@ -12,6 +12,7 @@ import torch
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.decode_step import build_decode_step
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pdserve.engine.scheduler import ScheduledChunk
@@ -23,6 +24,16 @@ class BatchInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_index: torch.Tensor  # rows of the hidden states whose logits are needed
+    prompt_index: torch.Tensor | None = None  # rows scored for prompt logprobs (chunk order)
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor
+    """fp32 [sampled rows, V], in plan order (`num_samples` per chunk)."""
+    prompt_logits: torch.Tensor | None = None
+    """fp32 [scored rows, V]: `num_prompt_logits` leading positions per chunk, in plan order;
+    None when no chunk asked."""
 
 
 def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
@@ -33,6 +44,7 @@ def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
     query_start = [0]
     seq_lens: list[int] = []
     sample_rows: list[int] = []
+    prompt_rows: list[int] = []
     for c in chunks:
         n = len(c.token_ids)
         ids.extend(c.token_ids)
@@ -41,6 +53,7 @@ def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
         slots.extend(c.block_ids[p // block_size] * block_size + p % block_size for p in pos)
         end = query_start[-1] + n
         sample_rows.extend(range(end - c.num_samples, end))
+        prompt_rows.extend(range(query_start[-1], query_start[-1] + c.num_prompt_logits))
         query_start.append(end)
         seq_lens.append(c.start + n)
     max_blocks = max(len(c.block_ids) for c in chunks)
@@ -53,14 +66,17 @@ def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
         query_start=query_start, seq_lens=seq_lens, block_tables=t(tables),
         slot_mapping=t(slots), seq_lens_t=t(seq_lens), query_start_t=t(query_start),
         max_query_len=max(len(c.token_ids) for c in chunks), max_seq_len=max(seq_lens))
-    return BatchInputs(t(ids), t(positions), meta, t(sample_rows))
+    return BatchInputs(t(ids), t(positions), meta, t(sample_rows),
+                       t(prompt_rows) if prompt_rows else None)
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor],
                  backend: AttentionBackend, block_size: int, device: torch.device,
                  before_forward: Callable[[Sequence[ScheduledChunk], dict | None], None]
-                 | None = None) -> None:
+                 | None = None, compile_decode: str = "off",
+                 graph_limits: dict | None = None) -> None:
+        """`compile_decode`: see EngineConfig; `graph_limits`: CudaGraphDecode's sizes."""
         self.model = model
         self.caches = caches
         self.backend = backend
@@ -69,20 +85,51 @@ class ModelRunner:
         self.sampler = Sampler()
         # Tensor parallelism: rank 0 broadcasts each step to the follower ranks first.
         self.before_forward = before_forward
+        # Decode-only steps through a compiled forward when the backend can be traced.
+        traceable = compile_decode != "off" and backend.traceable(caches[0])
+        self.decode_step = build_decode_step(compile_decode if traceable else "off",
+                                             model, device, **(graph_limits or {}))
 
     @torch.inference_mode()
     def logits(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
                tp_extra: dict | None = None) -> torch.Tensor:
         """Run the forward for a plan; fp32 logits of every sampled position, in plan order.
         `tp_extra` travels to the follower ranks with the step (e.g. KV sends)."""
+        return self.forward(chunks, layer_hook, tp_extra).logits
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
+                tp_extra: dict | None = None) -> ForwardOutput:
+        """`logits`, plus the logits of the positions chunks score for prompt logprobs.
+        Every tensor-parallel rank runs this same sequence (the LM head gathers across ranks)."""
         if self.before_forward is not None:
             self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.caches, batch.meta,
-                            self.backend, layer_hook)
+        meta = self.backend.prepare(batch.meta)  # once per step, not once per layer
+        if meta.is_decode_only and layer_hook is None:
+            hidden = self.decode_step(batch.input_ids, batch.positions, self.caches, meta,
+                                      self.backend)
+        else:
+            hidden = self.model(batch.input_ids, batch.positions, self.caches, meta,
+                                self.backend, layer_hook)
         if batch.sample_index.numel() == 0:
-            return hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
-        return self.model.compute_logits(hidden[batch.sample_index]).float()
+            logits = hidden.new_empty((0, self.model.config.vocab_size), dtype=torch.float32)
+        else:
+            logits = self.model.compute_logits(hidden[batch.sample_index]).float()
+        prompt = None
+        if batch.prompt_index is not None:
+            prompt = self.model.compute_logits(hidden[batch.prompt_index]).float()
+        return ForwardOutput(logits, prompt)
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy the KV of each (src, dst) block pair, every layer (this rank's heads)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for cache in self.caches:
+            cache.index_copy_(0, dst, cache.index_select(0, src))
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:

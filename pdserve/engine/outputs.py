@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 
 
@@ -14,10 +15,13 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: FinishReason | None  # None while running
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """With `prompt_logprobs` asked: on the request's first output, one entry per prompt token
+    after the first."""
 
     @property
     def finished(self) -> bool:

@@ -6,10 +6,14 @@ the tokens and logprobs back (`SamplerOutput`). It keeps no state between calls.
 
 Processing order (vLLM's), all in fp32 whatever the logits' dtype:
 
+    grammar bitmask (structured outputs: `apply_token_bitmask`, by the engine, in place)
+        ▼
     raw logits ──► logprobs (log_softmax of the raw logits, if asked)
         │
         ▼ repetition penalty (prompt + output tokens), presence / frequency (output tokens)
+        ▼ logit_bias (added)
         ▼ min_tokens: stop_token_ids (and EOS unless ignore_eos) banned while step < min_tokens
+          (never on a row where they are the only tokens left, e.g. a grammar's end)
         ├──► greedy rows: argmax (ties ⇒ lowest id)
         ▼ temperature ▸ top-k ▸ top-p ▸ min-p ▸ softmax
         ▼ seeded inverse-CDF draw
@@ -41,6 +45,7 @@ _SEED_MASK = 2**63 - 1
 _SEED_PERSON = b"pdserve.sampler"  # blake2b personalisation: domain-separates our seeds
 _TOP_P_CANDIDATES = 1024
 _DRAW_BLOCK = 256
+_CHOICE_STREAM = 2**32  # far from the per-step streams speculative decoding uses
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,8 @@ class TokenLogprobs:
     logprob: float
     top: tuple[tuple[int, float], ...]
     """Top-n (token_id, logprob), descending; empty when the row asked for n == 0."""
+    rank: int | None = None
+    """Prompt scoring: 1 + how many tokens were more likely (None for sampled tokens)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,36 @@ class SamplerOutput:
     """One token per row, in row order."""
     logprobs: list[TokenLogprobs | None]
     """Per row; None where the row did not ask for logprobs."""
+
+
+@torch.inference_mode()
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]
+                        ) -> None:
+    """Mask (-inf, in place) the logits a grammar forbids: row rows[i] of `logits` keeps token
+    t only if bit t % 32 of word t // 32 of bitmask[i] is set (xgrammar's int32 layout).
+
+    Applied before sampling, logprobs and speculative verification alike, so a forbidden
+    token is never sampled, never reported as likely, and a forbidden draft is rejected.
+    """
+    if not rows:
+        return
+    dev = logits.device
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32, device=dev)
+    bits = (bitmask.to(dev).unsqueeze(-1) >> shifts) & 1  # [n, words, 32]
+    allowed = bits.reshape(len(rows), -1).bool()
+    if allowed.shape[1] < vocab:  # ids past the grammar's vocabulary are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    idx = torch.tensor(list(rows), device=dev)
+    logits[idx] = logits[idx].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with several outputs (`n`): choice 0 keeps the
+    request's seed, so n=1 is unchanged; the others get independent, reproducible seeds."""
+    if index == 0:
+        return seed
+    return derive_seed(seed, index, _CHOICE_STREAM) & _SEED_MASK
 
 
 def derive_seed(seed: int, step: int, stream: int = 0) -> int:
@@ -168,7 +205,8 @@ def _min_tokens_active(row: SamplingRow) -> bool:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return row.params.is_greedy and not _has_penalty(row.params) and not _min_tokens_active(row)
+    return (row.params.is_greedy and not _has_penalty(row.params)
+            and not _min_tokens_active(row) and not row.params.logit_bias)
 
 
 # -- logits processing: penalties and min_tokens ---------------------------------------------
@@ -178,8 +216,25 @@ def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torc
     """fp32 copy of the logits with penalties and min_tokens bans applied (input untouched)."""
     x = logits.to(dtype=torch.float32, copy=True)
     _apply_penalties(x, rows)
+    _apply_logit_bias(x, rows)
     _apply_min_tokens(x, rows)
     return x
+
+
+def _apply_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    row_of: list[int] = []
+    token: list[int] = []
+    bias: list[float] = []
+    vocab = x.shape[1]
+    for i, r in enumerate(rows):
+        for tid, b in r.params.logit_bias:
+            if tid < vocab:
+                row_of.append(i)
+                token.append(tid)
+                bias.append(b)
+    if row_of:
+        at = (torch.tensor(row_of, device=x.device), torch.tensor(token, device=x.device))
+        x.index_put_(at, torch.tensor(bias, dtype=x.dtype, device=x.device), accumulate=True)
 
 
 def _apply_penalties(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
@@ -242,7 +297,13 @@ def _apply_min_tokens(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         banned.extend(ids)
     if banned:
         at = (torch.tensor(row_of, device=x.device), torch.tensor(banned, device=x.device))
+        before = x[at]
         x.index_put_(at, torch.tensor(float("-inf"), device=x.device))
+        # A row with nothing left (a grammar that allows only its end) keeps its stop tokens.
+        emptied = torch.isinf(x[at[0]].max(dim=-1).values)
+        if bool(emptied.any()):
+            keep = emptied.nonzero().flatten()
+            x[at[0][keep], at[1][keep]] = before[keep]
 
 
 # -- temperature and truncation --------------------------------------------------------------
@@ -376,6 +437,29 @@ def _check_mass(probs: torch.Tensor, block_mass: torch.Tensor) -> None:
 
 
 # -- logprobs --------------------------------------------------------------------------------
+
+
+_SCORE_ROWS = 256  # rows per log_softmax when scoring a prompt (bounds the fp32 temporaries)
+
+
+def score_tokens(logits: torch.Tensor, token_ids: Sequence[int], top_n: int
+                 ) -> list[TokenLogprobs]:
+    """Logprobs (log_softmax of `logits` [n, V]) of the given tokens, one per row, each with
+    the row's top `top_n` alternatives: how prompt tokens are scored (`prompt_logprobs`)."""
+    out: list[TokenLogprobs] = []
+    for lo in range(0, len(token_ids), _SCORE_ROWS):
+        lp = torch.log_softmax(logits[lo:lo + _SCORE_ROWS].float(), dim=-1)
+        ids = torch.tensor(list(token_ids[lo:lo + _SCORE_ROWS]), device=lp.device)
+        chosen_t = lp.gather(1, ids.unsqueeze(1))
+        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t.squeeze(1).tolist()
+        k = min(top_n, lp.shape[1])
+        vals, tops = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        for tid, c, v, t, r in zip(ids.tolist(), chosen, vals.tolist(), tops.tolist(), ranks,
+                                   strict=True):
+            out.append(TokenLogprobs(token_id=tid, logprob=c, top=tuple(zip(t, v, strict=True)),
+                                     rank=r))
+    return out
 
 
 def _logprobs(

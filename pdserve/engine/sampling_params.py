@@ -14,11 +14,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.engine.structured.spec import StructuredOutput
+
 MAX_LOGPROBS = 20
 """Largest top-n a request may ask for (`logprobs`)."""
 
 GREEDY_TEMPERATURE = 1e-5
 """Temperatures below this are greedy."""
+
+LOGIT_BIAS_LIMIT = 100.0
+"""Largest |bias| one logit_bias entry may add (OpenAI's range)."""
 
 _SEED_LIMIT = 2**63
 
@@ -61,6 +66,15 @@ class SamplingParams:
     """None: no logprobs; 0: the chosen token's; n: plus the top n (n <= 20)."""
     include_stop_str_in_output: bool = False
     """Keep the matched stop string at the end of the output text."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling, bias in [-100, 100]; a
+    mapping is accepted and stored sorted by token id."""
+    prompt_logprobs: int | None = None
+    """None: none; n: the logprob of every prompt token after the first, plus the top n
+    (n <= 20). Such a request skips the prefix cache: every position must be computed."""
+    structured: StructuredOutput | None = None
+    """Constrain the output to a grammar (JSON schema, regex, choice, EBNF; see
+    `pdserve.engine.structured`)."""
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -85,6 +99,8 @@ class SamplingParams:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
+        out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        out["structured"] = self.structured.to_dict() if self.structured is not None else None
         return out
 
     @classmethod
@@ -96,6 +112,11 @@ class SamplingParams:
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
             raise ValueError(f"unknown sampling params field(s): {', '.join(unknown)}")
+        d = dict(d)
+        if d.get("structured") is not None:
+            d["structured"] = StructuredOutput.from_dict(d["structured"])
+        if d.get("logit_bias") is not None:
+            d["logit_bias"] = tuple(tuple(pair) for pair in d["logit_bias"])
         return cls(**d)
 
     def validate_for_model(self, vocab_size: int) -> None:
@@ -108,6 +129,9 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids must be < vocab_size ({vocab_size}), got {tid}"
                 )
+        bad = [tid for tid, _ in self.logit_bias if tid >= vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias has token ids outside [0, {vocab_size}): {bad[:5]}")
 
     # -- validation helpers (each checks one group of fields) --------------------------------
 
@@ -123,6 +147,7 @@ class SamplingParams:
         set_("stop_token_ids", _require_tuple("stop_token_ids", self.stop_token_ids))
         if type(self.top_k) is int and self.top_k == -1:
             set_("top_k", 0)
+        set_("logit_bias", _logit_bias(self.logit_bias))
 
     def _validate_lengths(self) -> None:
         _require_int("max_tokens", self.max_tokens)
@@ -172,12 +197,16 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
-        if self.logprobs is not None:
-            _require_int("logprobs", self.logprobs)
-            if not 0 <= self.logprobs <= MAX_LOGPROBS:
-                raise ValueError(
-                    f"logprobs must be None or in [0, {MAX_LOGPROBS}], got {self.logprobs}"
-                )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_int(name, value)
+                if not 0 <= value <= MAX_LOGPROBS:
+                    raise ValueError(
+                        f"{name} must be None or in [0, {MAX_LOGPROBS}], got {value}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got "
+                             f"{type(self.structured).__name__}")
 
 
 def _require_int(name: str, value: object) -> None:
@@ -196,6 +225,27 @@ def _require_float(name: str, value: object) -> float:
     if not math.isfinite(as_float):
         raise ValueError(f"{name} must be finite, got {value}")
     return as_float
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    pairs = value.items() if isinstance(value, Mapping) else value
+    if not isinstance(pairs, list | tuple | type({}.items())):
+        raise ValueError(f"logit_bias must be a mapping or (token id, bias) pairs, got "
+                         f"{type(value).__name__}")
+    out: dict[int, float] = {}
+    for pair in pairs:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise ValueError("logit_bias entries must be (token id, bias) pairs")
+        tid, bias = pair
+        _require_int("logit_bias token id", tid)
+        if tid < 0:
+            raise ValueError(f"logit_bias token ids must be >= 0, got {tid}")
+        bias = _require_float("logit_bias value", bias)
+        if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+            raise ValueError(f"logit_bias values must be in [-{LOGIT_BIAS_LIMIT:g}, "
+                             f"{LOGIT_BIAS_LIMIT:g}], got {bias}")
+        out[tid] = bias
+    return tuple(sorted(out.items()))
 
 
 def _require_tuple(name: str, value: object) -> tuple:

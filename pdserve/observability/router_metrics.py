@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.observability.logs import request_log
+from pdserve.observability.vllm_metrics import FinishedRequest, VllmRequestMetrics
 
 # One bucket set must serve a 2-core CPU (seconds per token) and a GPU (milliseconds).
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -40,15 +41,25 @@ FLOW_COUNTERS = {
                                "Prefetch hints that failed or timed out (only hints)."),
     "kv_pulls_routed": ("pdserve_router_kv_pulls_routed",
                         "Requests sent to a decode worker with a KV source to pull from."),
+    "migrations": ("pdserve_router_migrations",
+                   "Requests moved to another worker after a worker failed them."),
 }
+# Counted per cause under "migrations.<cause>" (router.migration.LostCause values).
+MIGRATION_CAUSES = ("decode_lost", "decode_unresponsive", "decode_ended", "prefill_lost")
 
 
 class RouterMetrics:
     """The router's metric objects, registered on `registry` (its own unless given)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
+        # vLLM's names for the same observations (labelled model_name), beside ours.
+        self.vllm = VllmRequestMetrics(r, model_name)
+        self.waiting = 0
+        """Requests in flight that have no token yet (queued, or in prefill)."""
+        self.running = 0
+        """Requests in flight past their first token."""
         self.ttft = Histogram("pdserve_request_ttft_seconds",
                               "Time from request arrival to its first token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -85,9 +96,11 @@ class RouterMetrics:
         self.registry.register(FlowCounterCollector(counters))
 
     def trace(self, request_id: str, prompt_tokens: int, log: logging.Logger,
-              clock: Callable[[], float] = time.perf_counter) -> RequestTrace:
-        """Start observing one request."""
-        return RequestTrace(self, request_id, prompt_tokens, log, clock)
+              clock: Callable[[], float] = time.perf_counter, n: int = 1,
+              max_tokens: int = 0) -> RequestTrace:
+        """Start observing one request (`n`, `max_tokens`: its parameters, for vLLM's
+        request_params histograms)."""
+        return RequestTrace(self, request_id, prompt_tokens, log, clock, n, max_tokens)
 
 
 class FlowCounterCollector(Collector):
@@ -102,13 +115,20 @@ class FlowCounterCollector(Collector):
             fam = CounterMetricFamily(name, doc)
             fam.add_metric([], float(values.get(key, 0)))
             yield fam
+        fam = CounterMetricFamily("pdserve_router_migrations_by_cause",
+                                  "Requests moved to another worker, by what failed them.",
+                                  labels=["cause"])
+        for cause in MIGRATION_CAUSES:
+            fam.add_metric([cause], float(values.get(f"migrations.{cause}", 0)))
+        yield fam
 
 
 class RequestTrace:
     """One request's timestamps; reports to `RouterMetrics` and logs start and finish."""
 
     def __init__(self, metrics: RouterMetrics, request_id: str, prompt_tokens: int,
-                 log: logging.Logger, clock: Callable[[], float]) -> None:
+                 log: logging.Logger, clock: Callable[[], float], n: int = 1,
+                 max_tokens: int = 0) -> None:
         self.metrics = metrics
         self.log = request_log(log, request_id)
         self.request_id = request_id
@@ -120,6 +140,8 @@ class RequestTrace:
         self.prompt_tokens = prompt_tokens
         self.status: str | None = None
         """The final status once `finish` ran."""
+        self.n, self.max_tokens = n, max_tokens
+        metrics.waiting += 1
         metrics.inflight.inc()
         metrics.prompt_tokens.inc(prompt_tokens)
         self.log.info("request %s started: %d prompt tokens", request_id, prompt_tokens,
@@ -133,20 +155,35 @@ class RequestTrace:
         if self.first is None:
             self.first = now
             self.metrics.ttft.observe(now - self.start)
+            self.metrics.vllm.on_first_tokens(now - self.start, self.prompt_tokens, n)
+            self.metrics.waiting -= 1
+            self.metrics.running += 1
         elif self.last is not None:
             self.metrics.itl.observe(now - self.last)
+            self.metrics.vllm.on_tokens(now - self.last, n)
         self.last = now
         self.tokens += n
         self.metrics.generation_tokens.inc(n)
 
-    def finish(self, status: str, cached_tokens: int = 0) -> None:
-        """End the request with a gRPC status name; later calls are ignored."""
+    def finish(self, status: str, cached_tokens: int = 0, reason: str = "stop",
+               prefill_compute_s: float = 0.0) -> None:
+        """End the request with a gRPC status name (and, when OK, its finish reason);
+        later calls are ignored."""
         if self.status is not None:
             return
         self.status = status
         now = self.clock()
         m = self.metrics
         m.inflight.dec()
+        if self.first is None:
+            m.waiting -= 1
+        else:
+            m.running -= 1
+        ttft = None if self.first is None else self.first - self.start
+        decode = 0.0 if self.first is None or self.last is None else self.last - self.first
+        m.vllm.on_finished(FinishedRequest(
+            reason if status == "OK" else "abort", now - self.start, ttft, decode,
+            prefill_compute_s, self.prompt_tokens, self.tokens, self.n, self.max_tokens))
         m.requests.labels(status).inc()
         m.cached_tokens.inc(max(cached_tokens, 0))
         if status == "OK":

@@ -19,6 +19,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from pdserve.observability.vllm_metrics import state_families, worker_state
+
 _TIER_PREFIX = "kv_tier_"
 # The KV store's lower tiers (kv_store/tiers) report `kv_tier_*` keys in `LLMEngine.stats()`:
 # family -> (kind, help, label names, {stats key: label values}). A key that is absent (no
@@ -74,6 +76,9 @@ class WorkerSnapshot:
     counters: Mapping[str, float] = field(default_factory=dict)
     """The service's cumulative counters (`WorkerServicerBase.counters`)."""
     engine_steps: int = 0
+    model_name: str = ""
+    """The served model's id: the `model_name` label of vLLM's families."""
+    block_size: int = 0
 
 
 class WorkerCollector(Collector):
@@ -98,6 +103,9 @@ def worker_families(labels: Mapping[str, str], snap: WorkerSnapshot) -> list[Met
         _engine_families(fam, snap.stats)
     _counter_families(fam, snap.counters)
     _pull_families(fam, snap.counters, pulls=labels.get("component") == "decode")
+    if snap.stats is not None:  # vLLM's names for this engine's state
+        fam.out.extend(state_families(snap.model_name,
+                                      worker_state(snap.stats, snap.block_size)))
     return fam.out
 
 
@@ -166,6 +174,17 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
         fam.summary("kv_exposed_seconds", "Time a request waited for its KV after the "
                     "prefill finished (receiver side).", c["kv_transfers"],
                     c.get("kv_exposed_s", 0))
+    if "kv_frames_refused" in c:  # decode workers' receivers (security: docs/architecture)
+        fam.counter("kv_refused", "KV transfer pair offers and frames refused: a pair not "
+                    "signed with the cluster secret, a frame not tagged under its "
+                    "transfer's ticket.", by=("what",),
+                    series={("pair",): c.get("kv_pairs_refused", 0),
+                            ("frame",): c["kv_frames_refused"]})
+    if "kv_bytes_received" in c:  # decode workers' receivers, by payload path
+        total, nixl = c["kv_bytes_received"], c.get("kv_bytes_received_nixl", 0)
+        fam.counter("kv_received_bytes", "KV payload bytes received, by transport (NIXL "
+                    "landing slots, or inline on gloo/NCCL).", by=("transport",),
+                    series={("nixl",): nixl, ("inline",): max(total - nixl, 0)})
 
 
 def _pull_families(fam: _Families, c: Mapping[str, float], pulls: bool) -> None:

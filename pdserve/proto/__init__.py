@@ -22,9 +22,20 @@ if TYPE_CHECKING:
 # Revision of the worker API this tree implements, reported in WorkerInfo.api_version.
 # History: 1 - initial version.
 #          2 - PushKV and DecodeRequest.kv_source (a decode worker pulls a prefix).
-#          3 - WorkerStats.step_model and WorkerInfo.max_num_seqs / max_num_batched_tokens
+#          3 - DecodeRequest.generated_token_ids (migration), DecodeReady.kv_lease_s and
+#              KVTarget.lease_s (one lease per KV transfer, granted by the decode worker).
+#          4 - DecodeReady.kv_ticket, KVTarget.kv_ticket and PushKVRequest.kv_ticket: each
+#              transfer is bound to the ticket its decode worker handed out (KV frames not
+#              tagged under it are dropped; a prefill or push without one is refused).
+#          5 - prompt logprobs (PrefillResponse, TokenBatch); logit_bias and structured
+#              outputs in SamplingParams; DecodeRequest.n (choices forked on the decode
+#              worker), TokenBatch.index and DecodeFinished.index.
+#          6 - KVEndpoint.nixl: a receiver's NIXL landing pool (agent metadata and slot
+#              layout), sent with the endpoints of DecodeReady / KVTarget / PushKVRequest
+#              only (never in WorkerInfo); senders with NIXL write KV into it.
+#          7 - WorkerStats.step_model and WorkerInfo.max_num_seqs / max_num_batched_tokens
 #              (the router's admission control reads them).
-WORKER_API_VERSION = 3
+WORKER_API_VERSION = 7
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

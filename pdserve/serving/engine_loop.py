@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import IO_STALL_WAIT_S, LLMEngine
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.outputs import StepOutput
 from pdserve.serving import step_meter
 
@@ -93,13 +94,17 @@ class EngineLoop:
         """Fire-and-forget variant of `call`, usable from any thread."""
         self._commands.put(lambda: fn(self.engine))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StepOutput]:
+    def open_stream(self, request_id: str, *also: str) -> asyncio.Queue[StepOutput]:
+        """One queue for the outputs of `request_id` and of the requests in `also` (the
+        choices forked from it)."""
         q: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._streams[request_id] = q
+        for rid in (request_id, *also):
+            self._streams[rid] = q
         return q
 
-    def close_stream(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
+    def close_stream(self, request_id: str, *also: str) -> None:
+        for rid in (request_id, *also):
+            self._streams.pop(rid, None)
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -108,7 +113,7 @@ class EngineLoop:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
-                stalled = not idle and self.engine.scheduler.stalled_on_io
+                stalled = not idle and self.engine.stalled_on_io
                 if idle or stalled:
                     last_end = None  # a pause is not a step's cost
                 # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
@@ -155,9 +160,9 @@ class EngineLoop:
 
     def _fail_all(self) -> None:
         for rid in list(self._streams):
-            self.push_finished(rid, "abort")
+            self.push_finished(rid, FinishReason.ABORT)
 
-    def push_finished(self, request_id: str, reason: str) -> None:
+    def push_finished(self, request_id: str, reason: FinishReason) -> None:
         """Tell a request's stream it ended outside a step (asyncio thread only)."""
         q = self._streams.get(request_id)
         if q is not None:

@@ -27,11 +27,16 @@ class RunningServer:
     server: grpc.aio.Server
     port: int
     health: health.aio.HealthServicer
+    services: tuple[str, ...] = ()
+    """Full names of the services registered (each answers health checks by its name)."""
 
     async def set_serving(self, serving: bool) -> None:
+        """The server's status, and every service's: a check for "" or for any registered
+        service name (e.g. "pdserve.v1.PDServe") answers it."""
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
-        await self.health.set("", status)
+        for name in ("", *self.services):
+            await self.health.set(name, status)
 
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
@@ -56,7 +61,7 @@ async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {address}")
     await server.start()
-    running = RunningServer(server, bound, health_servicer)
+    running = RunningServer(server, bound, health_servicer, tuple(service_names))
     await running.set_serving(True)
     return running
 

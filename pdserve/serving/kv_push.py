@@ -3,12 +3,14 @@
 A decode worker D that the router sends a prompt whose longer prefix lives on this worker X
 (prefill or decode role) reserves fresh blocks and calls `PushKV` here:
 
-    PushKV{prompt, blocks [start, end), D's receivers and block ids}
+    PushKV{prompt, blocks [start, end), D's receivers and block ids, the pull's ticket}
       ─► check the request (fields, same block hash `extra`: same model, KV dtype, block size)
       ─► engine thread: pin the run of blocks from `start` that X really holds (hash and token
          ids; host/SSD blocks are loaded into fresh device blocks), copy each layer's blocks
          per receiving rank (its KV heads), unpin
-      ─► KVSender: every layer to every D rank, then DONE{PULL_BLOCKS: n} to each
+      ─► KVSender: every layer to every D rank, then a `PullDone{n}` to each, all within
+         the pull's lease (what is left of the call's deadline: D's lease) and tagged under
+         the ticket (D drops any frame that is not)
       ─► {blocks_sent: n, kv_bytes}
 
 Holding nothing is not an error (n = 0, nothing is sent); D then recomputes. Pins never
@@ -26,13 +28,14 @@ import torch
 
 from kv_store.tp_layout import head_routes, wire_request_id
 from kv_store.transfer import TransferError
+from kv_store.transfer.auth import TICKET_BYTES
+from kv_store.transfer.nixl_path import NixlDescriptor
+from pdserve.serving import kv_messages
+from pdserve.serving.kv_messages import PullDone
 
 if TYPE_CHECKING:
     from pdserve.engine.engine import LLMEngine
     from pdserve.serving.engine_loop import EngineLoop
-
-PULL_BLOCKS = "pull_blocks"  # DONE meta key: leading blocks of the range that were sent
-DEFAULT_WAIT_S = 5.0  # longest wait for the DONEs to go out when the caller set no deadline
 
 
 class PushError(Exception):
@@ -63,6 +66,7 @@ class PushPlan:
     end: int  # one past the last
     dst: list[int]  # D's block for each block of [start, end)
     routes: list[Route]
+    ticket: bytes  # D's ticket for this pull: tags every frame
 
 
 def plan_push(request, engine: LLMEngine) -> PushPlan:
@@ -82,43 +86,56 @@ def plan_push(request, engine: LLMEngine) -> PushPlan:
     if not receivers or any(not a or not 0 <= r < s for a, r, s in receivers):
         raise PushError(bad, "endpoints must be non-empty, each with an address and "
                              "0 <= tp_rank < tp_size")
-    if request.hash_extra != engine.scheduler.kv.hash_extra:
+    if len(request.kv_ticket) != TICKET_BYTES:
+        raise PushError(bad, f"kv_ticket must be the decode worker's {TICKET_BYTES}-byte "
+                             f"ticket for this pull, got {len(request.kv_ticket)} bytes")
+    if request.hash_extra != engine.hash_extra:
         raise PushError(grpc.StatusCode.FAILED_PRECONDITION,
                         "hash_extra differs: this worker's KV blocks are not the caller's "
                         "(model, KV dtype or block size)")
+    try:
+        for e in request.endpoints:
+            if e.nixl:
+                NixlDescriptor.decode(e.nixl)
+    except ValueError as exc:
+        raise PushError(bad, f"endpoints: {exc}") from None
     if engine.tp.size != 1:
         raise PushError(grpc.StatusCode.FAILED_PRECONDITION,
                         "pushing KV from a tensor-parallel worker is not supported yet")
     rank_of = {a: r for a, r, _ in receivers}
     routes = [Route(a, wire_request_id(request.request_id, 0, rank_of[a]), lo, hi)
               for a, lo, hi in head_routes(engine.model_config.num_kv_heads, 0, 1, receivers)]
-    return PushPlan(request.request_id, ids, start, end, list(request.block_ids), routes)
+    return PushPlan(request.request_id, ids, start, end, list(request.block_ids), routes,
+                    bytes(request.kv_ticket))
 
 
 def copy_blocks(engine: LLMEngine, plan: PushPlan) -> tuple[int, list[list[torch.Tensor]]]:
     """Engine thread: how many blocks of the range this worker holds, and per route per
     layer a copy of their KV heads (pinned only while copying)."""
-    kv = engine.scheduler.kv
-    blocks = kv.pin_leading(plan.token_ids, plan.start, plan.end)
+    blocks = engine.pin_leading(plan.token_ids, plan.start, plan.end)
     try:
         if not blocks:
             return 0, []
-        caches = engine.runner.caches
+        caches = engine.kv_caches
         src = torch.tensor(blocks, dtype=torch.int64, device=caches[0].device)
         layers = [cache.index_select(0, src) for cache in caches]  # copies: blocks may move
         return len(blocks), [[layer[:, :, r.lo:r.hi].contiguous() for layer in layers]
                              for r in plan.routes]
     finally:
-        kv.unpin(blocks)
+        engine.unpin(blocks)
 
 
-async def push_kv(loop: EngineLoop, sender, request, wait_s: float | None) -> tuple[int, int]:
-    """Serve one PushKV: returns (blocks sent, bytes sent) once every DONE is on the wire."""
+async def push_kv(loop: EngineLoop, sender, request, lease_s: float | None
+                  ) -> tuple[int, int]:
+    """Serve one PushKV: returns (blocks sent, bytes sent) once every DONE is on the wire.
+    `lease_s`: the pull's lease (None: the sender's default cap), which every send carries."""
     if sender is None:
         raise PushError(grpc.StatusCode.UNIMPLEMENTED, "this worker has no KV sender")
     if not loop.alive:
         raise PushError(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
     plan = plan_push(request, loop.engine)
+    for e in request.endpoints:  # their NIXL landing pools (b"": gloo to that rank)
+        sender.add_peer(e.address, bytes(e.nixl))
     n, copies = await loop.call(lambda e: copy_blocks(e, plan))
     if n == 0:
         return 0, 0
@@ -127,19 +144,21 @@ async def push_kv(loop: EngineLoop, sender, request, wait_s: float | None) -> tu
         for route, layers in zip(plan.routes, copies, strict=True):
             for layer, kv in enumerate(layers):
                 sender.send_layer(route.address, route.wire_id, layer, plan.dst[:n], kv,
-                                  head_start=route.lo)
+                                  head_start=route.lo, lease_s=lease_s, ticket=plan.ticket)
                 nbytes += kv.numel() * kv.element_size()
-        futures = [asyncio.wrap_future(sender.finish(r.address, r.wire_id, {PULL_BLOCKS: n}))
+        body = kv_messages.encode(PullDone(n))
+        futures = [asyncio.wrap_future(sender.finish(r.address, r.wire_id, body, lease_s,
+                                                     plan.ticket))
                    for r in plan.routes]
-        # asyncio.wait never cancels them: the sender settles its futures itself.
-        done, late = await asyncio.wait(futures, timeout=wait_s or DEFAULT_WAIT_S)
+        # asyncio.wait never cancels them; the sender settles each by its lease at the latest.
+        done, late = await asyncio.wait(futures, timeout=lease_s)
         if late:
-            raise TimeoutError(f"{len(late)} DONE marker(s) not sent in time")
+            raise TimeoutError(f"{len(late)} DONE marker(s) not sent within the lease")
         for f in done:
             f.result()  # raises the TransferError of a failed route
     except BaseException as exc:
         for r in plan.routes:  # the receiver drops what it got; nothing is pinned here
-            sender.abort(r.address, r.wire_id, f"push failed: {exc!r}")
+            sender.abort(r.address, r.wire_id, f"push failed: {exc!r}", plan.ticket)
         if isinstance(exc, TransferError | ValueError | TimeoutError):
             raise PushError(grpc.StatusCode.ABORTED, f"sending KV failed: {exc}") from None
         raise

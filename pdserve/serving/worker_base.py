@@ -33,6 +33,7 @@ from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
+from pdserve.serving.kv_transport import KV_TRANSPORT_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
@@ -63,14 +64,17 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         speed = self.loop.meter.model()
         return worker_pb.WorkerStats(
             worker_id=self.options.worker_id, role=self.options.role,
-            num_running=int(stats["num_running"]), num_waiting=int(stats["num_waiting"]),
+            num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"] + stats.get("num_waiting_for_kv", 0)),
             queued_prefill_tokens=int(stats["queued_prefill_tokens"]),
             kv_blocks_total=int(stats["kv_blocks_total"]),
             kv_blocks_used=int(stats["kv_blocks_used"]),
             kv_blocks_cached=int(stats["kv_blocks_cached"]),
             counters={**self.counters, "engine_steps": float(self.loop.steps),
                       **{k: float(v) for k, v in stats.items()
-                         if k.startswith(("spec_", "kv_tier_"))}},
+                         if k.startswith(("spec_", "kv_tier_", "prefix_cache_",
+                                          "num_preemptions"))},
+                      **self.transfer_counters()},
             kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events),
             step_model=worker_pb.StepModel(step_base_s=speed.base_s,
                                            step_per_token_s=speed.per_token_s,
@@ -87,13 +91,17 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
                       for tier, hashes in self.recorder.snapshot().items()]
         return encode_batch(events) if events else b""
 
+    def transfer_counters(self) -> dict[str, float]:
+        """Counters of the role's KV receiver, if it has one (none by default)."""
+        return {}
+
     async def GetInfo(self, request, context):
         e = self.loop.engine
         return worker_pb.WorkerInfo(
             worker_id=self.options.worker_id, role=self.options.role, model_id=e.model_id,
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
-            max_model_len=e.max_model_len, endpoints=self.endpoints,
-            api_version=WORKER_API_VERSION, hash_extra=e.scheduler.kv.hash_extra,
+            max_model_len=e.max_model_len, endpoints=public_endpoints(self.endpoints),
+            api_version=WORKER_API_VERSION, hash_extra=e.hash_extra,
             max_num_seqs=e.config.max_num_seqs,
             max_num_batched_tokens=e.config.max_num_batched_tokens)
 
@@ -125,8 +133,17 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         """Engine stats as of the last step, and counters, for a metrics scrape; callable from
         any thread. `stats` is None if the engine is down."""
         stats = self.loop.stats if self.loop.alive else None
+        e = self.loop.engine
         # dict() of a plain dict copies under the GIL: safe against transfer threads' updates.
-        return WorkerSnapshot(stats, dict(self.counters), self.loop.steps)
+        e = self.loop.engine
+        return WorkerSnapshot(stats, {**self.counters, **self.transfer_counters()},
+                              self.loop.steps, e.model_id, e.config.block_size)
+
+
+def public_endpoints(endpoints: list[worker_pb.KVEndpoint]) -> list[worker_pb.KVEndpoint]:
+    """The endpoints without their NIXL landing pools: those go only with a hand-off."""
+    return [worker_pb.KVEndpoint(address=e.address, tp_rank=e.tp_rank, tp_size=e.tp_size)
+            for e in endpoints]
 
 
 def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> WorkerTelemetry:
@@ -230,5 +247,6 @@ def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
         parser.error(str(exc))
     if args.cluster_secret_file:  # its tensor-parallel followers (children) read it too
         os.environ[CLUSTER_SECRET_FILE_ENV] = args.cluster_secret_file
+    os.environ[KV_TRANSPORT_ENV] = options.kv_transport  # and use the same transport
     configure_process(options)
     asyncio.run(serve(options))

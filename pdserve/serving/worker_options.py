@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import EngineConfig
+from pdserve.serving.kv_lease import LeaseConfig
+from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
 from pdserve.serving.security import ClientSecurity, InternalSecurity
 from pdserve.serving.security import args as security_args
 
@@ -47,6 +49,10 @@ class WorkerOptions:
     the worker exits (`--drain-timeout`; `worker_base.DrainConfig.grace_s`)."""
     redis_ca: str = ""
     """PEM CA file of a `rediss://` server ("" = the system's roots)."""
+    lease: LeaseConfig = field(default_factory=LeaseConfig)
+    """The leases of this worker's KV hand-offs (`pdserve.serving.kv_lease`)."""
+    kv_transport: str = "nixl"
+    """What carries KV payloads: nixl | nccl | gloo (`pdserve.serving.kv_transport`)."""
     security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
                                        hash=False)
     """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
@@ -54,28 +60,36 @@ class WorkerOptions:
 
 
 def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0)
-    p.add_argument("--kv-port", type=int, default=0)
-    p.add_argument("--worker-id", default="")
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint dir, FILE.gguf or a dir holding one (default: the "
+                        "embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the gRPC server and the KV receiver bind to")
+    p.add_argument("--port", type=int, default=0, help="gRPC port (0 = any free port)")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="KV transfer rendezvous port (0 = any free port)")
+    p.add_argument("--worker-id", default="", help="unique id (default: role-pid)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0 = torch's default)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus /metrics port (0 = any free port, -1 = off)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--quantization", default=None)
-    p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--speculative-config", default=None, help="JSON, vLLM style")
-    p.add_argument("--model-id", default="")
+    add_engine_args(p)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--num-gpu-blocks", type=int, default=None,
+                   help="KV blocks to allocate (default: sized from --kv-cache-memory-gb)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV cache budget, GiB (default: 1 on CPU, 80%% of free GPU memory)")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="the same as --no-enable-prefix-caching")
+    p.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "torch", "cpu", "triton"],
+                   help="auto: triton on CUDA; on the CPU the C++ paged-attention kernels "
+                        "(built on first use), or torch where they cannot be built")
+    p.add_argument("--compile-decode", default="off", choices=["off", "inductor", "cuda_graphs"],
+                   help="decode steps eager (off), through torch.compile (inductor: compiles "
+                        "at the first decode step), or as CUDA graphs (cuda_graphs)")
+    p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "model", "bf16", "int4"),
+                   help="lm_head under --quantization int4: auto, model, bf16 or int4")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each TP rank holds whole experts instead of a slice of "
@@ -88,6 +102,17 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-ssd-persist", action="store_true",
                    help="keep the SSD tier across restarts (needs a stable --worker-id: the "
                         "tier lives in DIR/<worker id>)")
+    p.add_argument("--kv-lease-s", type=float, default=LeaseConfig.kv_lease_s, metavar="S",
+                   help="lease of a prefill-to-decode KV transfer: from the decode worker's "
+                        "reservation until all of it landed (then it fails and the router "
+                        "moves the request on)")
+    p.add_argument("--kv-pull-lease-s", type=float, default=LeaseConfig.pull_lease_s,
+                   metavar="S", help="lease of a decode worker's pull of a prefix another "
+                                     "worker holds (then it recomputes)")
+    p.add_argument("--kv-transport", choices=KV_TRANSPORTS, default=default_kv_transport(),
+                   help="what carries KV payloads between workers: nixl (default; gloo where "
+                        "NIXL does not load), nccl (CUDA KV) or gloo (default: "
+                        "$PDSERVE_KV_TRANSPORT, else nixl)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
@@ -101,6 +126,37 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     security_args.add_metrics_args(p)
 
 
+def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
+    """The engine flags vLLM users know, under vLLM's names; `pdserve up` takes the same
+    flags (defaults=False: unset ones are not passed on, so the workers' defaults apply)."""
+    d = (lambda v: v) if defaults else (lambda v: None)
+    p.add_argument("--dtype", default=d("auto"),
+                   help="weights/activations dtype: auto (the checkpoint's), float32, "
+                        "bfloat16, float16")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + output (default: the model's, at most "
+                        "32768)")
+    p.add_argument("--block-size", type=int, default=d(16), help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=d(128),
+                   help="most requests in one engine step's batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d(1024),
+                   help="token budget of one engine step (also the prefill chunk size)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d(True), help="reuse the KV blocks of identical prompt prefixes")
+    p.add_argument("--quantization", "-q", default=None,
+                   help="weight quantisation: fp8 (E4M3 weights, per-token activations) or int4 "
+                        "(4-bit weights, W4A16)")
+    p.add_argument("--kv-cache-dtype", default=d("auto"), choices=("auto", "fp8"),
+                   help="KV cache storage: auto (the model's dtype) or fp8")
+    p.add_argument("--speculative-config", default=None,
+                   help='speculative decoding, JSON as in vLLM: {"method": "ngram", '
+                        '"num_speculative_tokens": 4} or {"model": DIR, ...}')
+    p.add_argument("--served-model-name", "--model-id", dest="model_id", nargs="+",
+                   default=d([]), metavar="NAME",
+                   help="the name the model is served (and its KV blocks hashed) under; "
+                        "default: the checkpoint directory's name")
+
+
 def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     spec = json.loads(a.speculative_config) if a.speculative_config else None
     if a.kv_ssd_persist and not (a.kv_ssd_dir and a.worker_id):
@@ -109,13 +165,20 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     worker_id = a.worker_id or f"{role}-{os.getpid()}"
     # Workers started with the same flags must not share (and wipe) one segment directory.
     ssd_dir = os.path.join(a.kv_ssd_dir, worker_id) if a.kv_ssd_dir else None
+    model = a.model
+    if model is None:
+        from pdserve.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
     engine = EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
+        model=model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-        max_model_len=a.max_model_len, enable_prefix_caching=not a.no_prefix_caching,
-        attention_backend=a.attention_backend, quantization=a.quantization,
-        kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec, model_id=a.model_id,
+        max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
+        attention_backend=a.attention_backend, compile_decode=a.compile_decode,
+        quantization=a.quantization, lm_head_dtype=a.lm_head_dtype,
+        kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec,
+        model_id=a.model_id[0] if a.model_id else "",
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
         kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
@@ -124,10 +187,12 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")
+    lease = LeaseConfig(kv_lease_s=a.kv_lease_s, pull_lease_s=a.kv_pull_lease_s)
     return WorkerOptions(role=role, engine=engine, host=a.host, port=a.port,
                          kv_port=a.kv_port, worker_id=worker_id, threads=a.threads,
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
-                         redis_url=a.redis, redis_ca=a.redis_ca,
+                         redis_url=a.redis, redis_ca=a.redis_ca, lease=lease,
+                         kv_transport=check_kv_transport(a.kv_transport),
                          security=security_from_args(a), drain_timeout_s=a.drain_timeout)
 
 

@@ -1,41 +1,38 @@
-"""Read a request body, run one validated request through the frontend, and answer it as JSON
-or as an SSE stream.
+"""Run one validated request (one prompt or a batch, each with one or more choices) through
+the frontend and answer it as JSON or as an SSE stream.
 
-    body: Content-Length over the limit ─► 413 at once; not all there within body_timeout ─► 408
     admission (first chunk) ─► refused: 429 + Retry-After
-                  ─► first chunk ─┬─ not streaming: collect the rest ─► one JSON body
-                                   └─ streaming: 200 + head events, one event per chunk,
-                                      [usage event], [DONE]
+                  ─► first chunk ─┬─ not streaming: collect every choice ─► one JSON body
+                                  │  (best_of > n: the n with the highest total logprob)
+                                  └─ streaming: 200 + head events, one event per chunk of
+                                     any choice (interleaved, tagged with its index),
+                                     [usage event], [DONE]
     An error before the first chunk is an HTTP error; after it, a final `data: {"error": ...}`.
 
 Leaving early (client gone: a failed write or the handler cancelled) closes the frontend's
-generator, whose flow cancels the worker calls, so the workers free the request's blocks.
+generator, whose flows cancel the worker calls, so the workers free the request's blocks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from dataclasses import dataclass, field, replace
+from typing import Protocol, TypeVar
 
 import grpc
 from aiohttp import web
 
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk, Overloaded, Usage
+from router.frontend import Frontend, OutputChunk, Overloaded, Usage, UsageTotal
 from router.openai import sse
-from router.openai.errors import (
-    ApiError,
-    body_too_large,
-    from_status,
-    request_timeout,
-    too_many_requests,
-)
+from router.openai.body import BodyLimits
+from router.openai.errors import ApiError, from_status, too_many_requests
 from router.openai.responses import joined
-from router.openai.schemas import ServedModel, parse_json_body
+from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel
+from router.openai.tools import ToolConfig
 from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
 
@@ -50,29 +47,18 @@ class ApiContext:
 
     frontend: Frontend
     model: ServedModel
-    max_body_bytes: int = 4 * 1024 * 1024
-    body_timeout_s: float = 30.0
-    """Longest wait for a request body, from the end of its headers."""
+    tools: ToolConfig = ToolConfig()
+    ignored: IgnoredFields = field(default_factory=lambda: IgnoredFields(log))
+    prompt_tokens_details: bool = False
+    """usage.prompt_tokens_details (cached tokens), vLLM's --enable-prompt-tokens-details."""
+    body: BodyLimits = BodyLimits()
 
 
-async def read_json(request: web.Request, ctx: ApiContext) -> Any:
-    """The request's JSON body: 413 when it is larger than allowed (before reading it, when
-    Content-Length says so), 408 when it does not arrive in time, 400 when it is not JSON."""
-    if request.content_length is not None and request.content_length > ctx.max_body_bytes:
-        raise body_too_large(ctx.max_body_bytes)
+async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` (tokenizer work, bounded by the request's checks) on the frontend's
+    tokenizer pool, off the event loop; a busy pool is a 429."""
     try:
-        raw = await asyncio.wait_for(request.read(), ctx.body_timeout_s)
-    except TimeoutError:
-        raise request_timeout("body", ctx.body_timeout_s) from None
-    except web.HTTPRequestEntityTooLarge:
-        raise body_too_large(ctx.max_body_bytes) from None
-    return parse_json_body(raw)
-
-
-async def tokenize(job: Awaitable[T]) -> T:
-    """A tokenizer job; a busy tokenizer pool is a 429."""
-    try:
-        return await job
+        return await ctx.frontend.tokens.run(fn, *args)
     except TokenizerBusy as exc:
         raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
 
@@ -80,8 +66,8 @@ async def tokenize(job: Awaitable[T]) -> T:
 class Shaper(Protocol):
     """Turns one request's output chunks into an endpoint's JSON (one instance per request)."""
 
-    def head(self) -> list[dict]:
-        """Stream events sent before the first output (chat: the role delta)."""
+    def head(self) -> list[tuple[dict, int]]:
+        """Stream events sent before any output, each with its choice (chat: role deltas)."""
 
     def chunk(self, c: OutputChunk) -> dict | None:
         """The stream event for one chunk; None when it carries nothing to send."""
@@ -89,56 +75,94 @@ class Shaper(Protocol):
     def usage_chunk(self, u: Usage) -> dict:
         """The last stream event when the client asked for usage."""
 
-    def body(self, whole: OutputChunk) -> dict:
-        """The non-streaming response for the whole output."""
+    def usage(self, u: Usage) -> dict:
+        """The `usage` object for `u`."""
+
+    def body(self, choices: list[OutputChunk], usage: Usage) -> dict:
+        """The non-streaming response: each choice's whole output, in index order."""
 
 
-async def respond(request: web.Request, ctx: ApiContext, req: ValidRequest, shaper: Shaper,
-                  stream: bool, include_usage: bool) -> web.StreamResponse:
+async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidRequest],
+                  shaper: Shaper, out: OutputOptions, best_of: int | None = None
+                  ) -> web.StreamResponse:
     frontend = ctx.frontend
-    async with aclosing(frontend.generate(req, None)) as chunks:
+    per_prompt = best_of or out.n
+    async with aclosing(frontend.generate_choices(reqs, per_prompt, None)) as chunks:
         try:
             chunk = await _next(chunks)
-            if not stream:
+            if not out.stream:
                 collected = [chunk] + [c async for c in chunks]
-                return web.json_response(shaper.body(joined(collected)), dumps=sse.dumps)
+                choices, usage = _whole(collected, len(reqs), per_prompt, out.n)
+                return web.json_response(shaper.body(choices, usage), dumps=sse.dumps)
         except Overloaded as exc:
             raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
         except FlowError as exc:
             raise from_status(exc.code, str(exc)) from None
         resp = await sse.open_stream(request)
         try:
-            await _stream(resp, chunk, chunks, shaper, include_usage, req.request_id)
+            await _stream(resp, chunk, chunks, shaper, out, reqs)
         except ConnectionResetError:
-            log.info("request %s: client went away mid-stream; cancelled", req.request_id)
+            log.info("request %s: client went away mid-stream; cancelled", reqs[0].request_id)
         return resp
 
 
+def _whole(chunks: list[OutputChunk], prompts: int, per_prompt: int, n: int
+           ) -> tuple[list[OutputChunk], Usage]:
+    """Every choice's output joined; with best_of > n, each prompt's n best (highest total
+    logprob), renumbered 0 .. prompts * n - 1."""
+    by_index: dict[int, list[OutputChunk]] = defaultdict(list)
+    usage = UsageTotal(per_prompt)
+    for c in chunks:
+        by_index[c.index].append(c)
+        if c.usage is not None:
+            usage.add(c.usage, c.index)
+    whole = [joined(by_index[i]) for i in range(prompts * per_prompt)]
+    if per_prompt == n:
+        return whole, usage.total()
+    best = []
+    for p in range(prompts):
+        group = whole[p * per_prompt:(p + 1) * per_prompt]
+        group.sort(key=lambda c: -sum(lp.logprob for lp in c.logprobs))
+        best.extend(replace(c, index=p * n + j) for j, c in enumerate(group[:n]))
+    return best, usage.total()
+
+
 async def _stream(resp: web.StreamResponse, chunk: OutputChunk, chunks, shaper: Shaper,
-                  include_usage: bool, rid: str) -> None:
-    def send(ev: dict):
-        if include_usage:
-            ev.setdefault("usage", None)  # OpenAI: every chunk but the last has "usage": null
+                  out: OutputOptions, reqs: Sequence[ValidRequest]) -> None:
+    opts = out.stream_options
+    total = UsageTotal(out.n)
+    sent: dict[int, int] = defaultdict(int)  # completion tokens streamed per choice
+
+    def send(ev: dict, index: int):
+        if opts.include_usage and "usage" not in ev:
+            # OpenAI: every chunk but the last has "usage": null; vLLM's continuous usage
+            # stats put the choice's usage so far on every chunk instead.
+            prompt = len(reqs[index // out.n].prompt_token_ids)
+            ev["usage"] = shaper.usage(Usage(prompt, sent[index], 0)) \
+                if opts.continuous_usage_stats else None
         return resp.write(sse.event(ev))
 
     try:
-        for ev in shaper.head():
-            await send(ev)
+        for ev, index in shaper.head():
+            await send(ev, index)
         while True:
+            sent[chunk.index] += len(chunk.token_ids)
             ev = shaper.chunk(chunk)
             if ev is not None:
-                await send(ev)
+                await send(ev, chunk.index)
             if chunk.usage is not None:
-                if include_usage:
-                    await send(shaper.usage_chunk(chunk.usage))
-                break
+                total.add(chunk.usage, chunk.index)
+                if total.finished == len(reqs) * out.n:
+                    if opts.include_usage:
+                        await resp.write(sse.event(shaper.usage_chunk(total.total())))
+                    break
             chunk = await _next(chunks)
     except FlowError as exc:
         await resp.write(sse.event(from_status(exc.code, str(exc)).body()))
     except ConnectionResetError:
         raise
     except Exception:  # the 200 is sent: the error can only be an event now
-        log.exception("request %s: stream failed", rid)
+        log.exception("request %s: stream failed", reqs[0].request_id)
         await resp.write(sse.event(ApiError(500, "internal server error", "server_error").body()))
     await resp.write(sse.DONE)
     await resp.write_eof()

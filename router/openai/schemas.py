@@ -1,37 +1,65 @@
 """OpenAI request bodies -> typed, validated requests. Pure: no I/O, no tokenizer.
 
-Owns which fields each endpoint accepts, their JSON types, and how they become one
-`SamplingParams`. Every failure is a `RequestError` naming the field (HTTP 400). A field sent
-as `null` counts as absent (client libraries send explicit nulls); any other field this server
-does not know is refused rather than silently ignored. A model other than the served one is an
-`ApiError` 404, as OpenAI answers.
+Tolerant where vLLM is, strict where it matters:
+- a field sent as `null` counts as absent (client libraries send explicit nulls);
+- a field this server does not know is accepted and ignored; the handler logs its name once
+  (`IgnoredFields`), as vLLM warns about the fields it drops;
+- known fields keep their type and range checks, each failure a `RequestError` naming the
+  field (HTTP 400); a known field whose meaning cannot be honoured (beam search, a request
+  chat template, non-text content) is refused rather than silently ignored;
+- vLLM's extras are accepted and honoured: sampling knobs (`top_k`, `min_p`,
+  `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...), output knobs
+  (`skip_special_tokens`, `return_token_ids`, `return_tokens_as_token_ids`,
+  `prompt_logprobs`, `truncate_prompt_tokens`, `request_id`), chat template knobs
+  (`add_generation_prompt`, `continue_final_message`, `add_special_tokens`,
+  `chat_template_kwargs`, `echo`), structured outputs (`constraints.py`) and
+  `stream_options.continuous_usage_stats`.
+A model other than the served one is an `ApiError` 404, as OpenAI answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from router.openai import constraints
+from router.openai import fields as f
 from router.openai.errors import RequestError, model_not_found
-from router.validation import RequestLimits, check_params, check_text
+from router.openai.messages import parse_messages
+from router.openai.tools import NO_TOOLS, ToolChoice, ToolConfig, constraint, parse_tools
+from router.validation import INT32_MAX, RequestLimits, check_params, check_text
+from router.validation import check_prompt_ids as check_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
+MAX_N = 128
+"""Most choices (`n`, `best_of`) one request may ask for."""
+MAX_PROMPTS = 256
+"""Most prompts in one /v1/completions batch."""
 
 # Request fields that go straight into SamplingParams under the same name.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-             "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-             "min_tokens", "include_stop_str_in_output")
-_COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_options", "n",
-                     "user", "logit_bias"})
-COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
-                         "response_format", "tools", "tool_choice", "functions",
-                         "function_call", "parallel_tool_calls"}
-_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+             "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "min_tokens",
+             "include_stop_str_in_output")
+# Known fields whose values cannot be honoured here: refused when set to anything but these.
+_REFUSED = {
+    "use_beam_search": (False,), "logits_processors": ([],), "bad_words": ([],),
+    "allowed_token_ids": ([],), "prompt_embeds": ([],), "suffix": ("",),
+    "chat_template": ("",), "functions": ([],), "function_call": ("none",),
+}
+_REFUSED_WHY = {
+    "use_beam_search": "beam search is not supported (sample with n / best_of instead)",
+    "functions": "functions are deprecated: send tools instead",
+    "function_call": "function_call is deprecated: send tool_choice instead",
+    "chat_template": "a chat template per request is not accepted; the server's (from the "
+                     "model or --chat-template) is used",
+    "prompt_embeds": "prompt embeddings are not supported",
+}
 
 
 @dataclass(frozen=True)
@@ -46,73 +74,163 @@ class ServedModel:
     """Unix time the router started (the `created` of /v1/models)."""
     max_token_bytes: int = 4
     """Bytes of the tokenizer's longest token (`RequestLimits`)."""
+    root: str = ""
+    """The checkpoint the model was loaded from (/v1/models `root`)."""
+    aliases: tuple[str, ...] = ()
+    """Other names requests may use (vLLM's --served-model-name A B ...)."""
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.id, *self.aliases)
 
     @property
     def limits(self) -> RequestLimits:
+        """The limits gRPC requests meet too (`router/validation.py`)."""
         return RequestLimits(self.max_model_len, self.vocab_size, self.max_token_bytes)
+
+
+class IgnoredFields:
+    """Logs each ignored field name once per server (not once per request)."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self._seen: set[str] = set()
+        self._log = log
+
+    def report(self, names: set[str], where: str) -> None:
+        new = sorted(names - self._seen)
+        if new:
+            self._seen.update(new)
+            self._log.warning("ignoring unsupported %s field(s): %s (logged once each)",
+                              where, ", ".join(new))
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    include_usage: bool = False
+    """A last chunk with the request's usage."""
+    continuous_usage_stats: bool = False
+    """With include_usage: every chunk carries the usage so far (vLLM)."""
+
+
+@dataclass(frozen=True)
+class OutputOptions:
+    """How both endpoints present their outputs."""
+
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions = StreamOptions()
+    return_token_ids: bool = False
+    """Choices carry `token_ids` (and the prompt's `prompt_token_ids`)."""
+    tokens_as_ids: bool = False
+    """Logprob entries name tokens as "token_id:N" (return_tokens_as_token_ids)."""
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    """What the client asked for (vLLM's prompt_logprobs), shown as `prompt_logprobs`."""
+    echo: bool = False
+    request_id: str | None = None
+    """The client's id (vLLM's request_id): the response id is built from it."""
 
 
 @dataclass(frozen=True)
 class CompletionRequest:
-    prompt: str | tuple[int, ...]
-    """One text prompt, or one prompt as token ids."""
+    prompts: tuple[str | tuple[int, ...], ...]
+    """One choice group per prompt: text, or token ids."""
     params: SamplingParams
-    stream: bool
-    include_usage: bool
-    """Streaming: send a last chunk with `usage` (stream_options.include_usage)."""
+    """As the workers run it (echo with max_tokens 0 still generates one token, dropped)."""
+    out: OutputOptions
+    logprobs: int | None = None
+    """Top alternatives per token in the response (None: no logprobs)."""
+    best_of: int = 1
+    """Candidates per prompt; the `n` with the highest total logprob are returned."""
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None
+    """Keep only this many last prompt tokens."""
+    generate: bool = True
+    """False: echo with max_tokens 0, the prompt is scored and nothing is generated."""
+    max_tokens_explicit: bool = False
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    """Add the tokenizer's BOS/EOS again when encoding the rendered template."""
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+    """chat_template_kwargs: extra template variables."""
 
 
 @dataclass(frozen=True)
 class ChatRequest:
-    messages: tuple[dict[str, str], ...]
-    """Each {"role", "content"[, "name"]}, content flattened to text."""
+    messages: tuple[dict, ...]
+    """Template-ready messages (content flattened to text)."""
     params: SamplingParams
-    stream: bool
-    include_usage: bool
-    logprobs: bool
-    """Return chat-format logprobs (params.logprobs holds top_logprobs)."""
+    out: OutputOptions
+    logprobs: bool = False
+    """Chat-format logprobs (params.logprobs holds top_logprobs)."""
+    tools: ToolChoice = NO_TOOLS
+    template: TemplateOptions = TemplateOptions()
+    max_tokens_explicit: bool = False
 
 
-def parse_completion(body: Any, model: ServedModel) -> CompletionRequest:
-    fields = _fields(body, COMPLETION_FIELDS)
-    _check_common(fields, model)
-    if fields.get("echo") not in (None, False):
-        raise RequestError("echo is not supported", "echo")
-    if fields.get("best_of") not in (None, 1):
-        raise RequestError("best_of must be 1", "best_of")
-    if fields.get("suffix") not in (None, ""):
-        raise RequestError("suffix is not supported", "suffix")
-    logprobs = fields.get("logprobs")
-    if logprobs is not None and not _is_int(logprobs):
-        raise RequestError("logprobs must be an integer", "logprobs")
-    params = _sampling(fields, model, "max_tokens", COMPLETION_DEFAULT_MAX_TOKENS, logprobs)
-    stream, usage = _stream(fields)
-    prompt = _prompt(fields.get("prompt"))
-    if isinstance(prompt, str):
-        check_text(prompt, model.limits, "prompt")  # before anyone tokenises it
-    return CompletionRequest(prompt, params, stream, usage)
+# -- endpoints -----------------------------------------------------------------------------------
 
 
-def parse_chat(body: Any, model: ServedModel) -> ChatRequest:
-    fields = _fields(body, CHAT_FIELDS)
-    _check_common(fields, model)
-    for name in ("tools", "functions"):
-        if fields.get(name):
-            raise RequestError(f"{name} are not supported", name)
-    for name in ("tool_choice", "function_call"):
-        if fields.get(name) not in (None, "none"):
-            raise RequestError(f"{name} is not supported", name)
-    fmt = fields.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise RequestError("response_format must be {\"type\": \"text\"}", "response_format")
-    want_lp, top = _chat_logprobs(fields)
-    max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
-    params = _sampling(fields, model, max_field, model.max_model_len, top if want_lp else None)
-    stream, usage = _stream(fields)
-    messages = _messages(fields.get("messages"))
+def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | None = None
+                     ) -> CompletionRequest:
+    fields = _fields(body, ignored, "completions", _COMPLETION_FIELDS)
+    _check_model(fields, model)
+    out = _output_options(fields)
+    logprobs = f.integer(fields, "logprobs", None, 0, MAX_LOGPROBS)
+    best_of = f.integer(fields, "best_of", out.n, 1, MAX_N)
+    if best_of < out.n:
+        raise RequestError(f"best_of must be >= n ({out.n}), got {best_of}", "best_of")
+    if best_of > out.n and out.stream:
+        raise RequestError("best_of > n cannot be streamed", "best_of")
+    max_tokens = fields.get("max_tokens", COMPLETION_DEFAULT_MAX_TOKENS)
+    generate = not (out.echo and max_tokens == 0)
+    if not generate:
+        max_tokens = 1  # the prompt is computed anyway; its one token is dropped
+    # echo shows the prompt's logprobs with the output's (the first prompt token has none).
+    scored = logprobs if out.echo and logprobs is not None else None
+    prompt_lp = _max_opt(out.prompt_logprobs, scored)
+    internal_lp = logprobs if logprobs is not None or best_of == out.n else 0
+    params = _sampling(fields, model, "max_tokens", max_tokens, internal_lp, prompt_lp)
+    prompts = _prompts(fields.get("prompt"))
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text(prompt, model.limits, "prompt")  # before anyone tokenises it
+    return CompletionRequest(
+        prompts, params, out, logprobs, best_of,
+        f.boolean(fields, "add_special_tokens", True),
+        f.integer(fields, "truncate_prompt_tokens", None, 1, INT32_MAX), generate,
+        "max_tokens" in fields)
+
+
+def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = None,
+               ignored: IgnoredFields | None = None) -> ChatRequest:
+    fields = _fields(body, ignored, "chat.completions", _CHAT_FIELDS)
+    _check_model(fields, model)
+    out = _output_options(fields)
+    messages, extra_keys = parse_messages(fields.get("messages"))
     # The contents bound the rendered prompt's tokens from below, as a text's bytes do.
-    check_text("\n".join(m["content"] for m in messages) or " ", model.limits, "messages")
-    return ChatRequest(messages, params, stream, usage, want_lp)
+    check_text("\n".join(_texts(messages)) or " ", model.limits, "messages")
+    if ignored is not None and extra_keys:
+        ignored.report(extra_keys, "chat message")
+    want_lp, top = _chat_logprobs(fields)
+    tools = parse_tools(fields, tool_config or ToolConfig())
+    template = template_options(fields)
+    max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
+    params = _sampling(fields, model, max_field, fields.get(max_field, model.max_model_len),
+                       top if want_lp else None, out.prompt_logprobs)
+    tool_spec = constraint(tools)
+    if tool_spec is not None:
+        if params.structured is not None:
+            raise RequestError("tool_choice required / a named tool cannot be combined with "
+                               "response_format or structured_outputs", "tool_choice")
+        params = dataclasses.replace(params, structured=tool_spec)
+    return ChatRequest(messages, params, out, want_lp, tools, template,
+                       max_field in fields)
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -128,43 +246,90 @@ def parse_json_body(raw: bytes) -> Any:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-# -- helpers -------------------------------------------------------------------------------------
+def check_prompt_ids(ids: list[int], model: ServedModel, param: str,
+                     max_tokens: int | None = None) -> None:
+    """Token ids the workers accept (`validation.check_prompt_ids`, as on gRPC), leaving
+    room for `max_tokens` of output when the client set it."""
+    check_ids(ids, model.limits, param)
+    if max_tokens is not None and len(ids) + max_tokens > model.max_model_len:
+        raise RequestError(f"This model's maximum context length is {model.max_model_len} "
+                           f"tokens. However, you requested {len(ids) + max_tokens} tokens "
+                           f"({len(ids)} in the {param}, {max_tokens} in the completion). "
+                           "Please reduce the length of the prompt or completion.", param)
 
 
-def _fields(body: Any, allowed: frozenset[str]) -> dict[str, Any]:
+# -- fields --------------------------------------------------------------------------------------
+
+_COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_options", "n",
+                     "user", "logit_bias", "seed", "skip_special_tokens", "prompt_logprobs",
+                     "return_token_ids", "return_tokens_as_token_ids", "request_id",
+                     "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
+                     "truncate_prompt_tokens", *_REFUSED, "echo"})
+_COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                          "tools", "tool_choice", "parallel_tool_calls",
+                          "add_generation_prompt", "continue_final_message",
+                          "add_special_tokens", "chat_template_kwargs"}
+
+
+def _fields(body: Any, ignored: IgnoredFields | None, where: str,
+            known: frozenset[str]) -> dict[str, Any]:
     if not isinstance(body, Mapping):
         raise RequestError(f"the request body must be a JSON object, got "
                            f"{type(body).__name__}")
     fields = {k: v for k, v in body.items() if v is not None}
-    unknown = sorted(k for k in fields if k not in allowed)
-    if unknown:
-        raise RequestError(f"unrecognized request argument(s): {', '.join(unknown)}",
-                           unknown[0])
-    return fields
+    unknown = {k for k in fields if k not in known}
+    if unknown and ignored is not None:
+        ignored.report(unknown, where)
+    for name, allowed in _REFUSED.items():
+        if name in fields and fields[name] not in allowed:
+            raise RequestError(_REFUSED_WHY.get(name, f"{name} is not supported"), name)
+    return {k: v for k, v in fields.items() if k not in unknown}
 
 
-def _check_common(fields: dict[str, Any], model: ServedModel) -> None:
+def _check_model(fields: dict[str, Any], model: ServedModel) -> None:
     name = fields.get("model", model.id)
     if not isinstance(name, str):
         raise RequestError("model must be a string", "model")
-    if name != model.id:
+    if name not in model.names:
         raise model_not_found(name, model.id)
-    n = fields.get("n", 1)
-    if not _is_int(n) or n != 1:
-        raise RequestError("n must be 1 (one choice per request)", "n")
-    if fields.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if "user" in fields and not isinstance(fields["user"], str):
         raise RequestError("user must be a string", "user")
 
 
-def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_default: int,
-              logprobs: int | None) -> SamplingParams:
-    max_tokens = fields.get(max_field, max_default)
+def _output_options(fields: dict[str, Any]) -> OutputOptions:
+    stream = f.boolean(fields, "stream", False)
+    if "stream_options" in fields and not stream:
+        raise RequestError("Stream options can only be defined when `stream=True`.",
+                           "stream_options")
+    opts = f.mapping(fields, "stream_options") or {}
+    for key in ("include_usage", "continuous_usage_stats"):
+        if opts.get(key) is not None and not isinstance(opts[key], bool):
+            raise RequestError(f"stream_options.{key} must be a boolean", "stream_options")
+    request_id = f.string(fields, "request_id")
+    return OutputOptions(
+        n=f.integer(fields, "n", 1, 1, MAX_N), stream=stream,
+        stream_options=StreamOptions(bool(opts.get("include_usage")),
+                                     bool(opts.get("continuous_usage_stats"))),
+        return_token_ids=f.boolean(fields, "return_token_ids", False),
+        tokens_as_ids=f.boolean(fields, "return_tokens_as_token_ids", False),
+        skip_special_tokens=f.boolean(fields, "skip_special_tokens", True),
+        prompt_logprobs=f.integer(fields, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+        echo=f.boolean(fields, "echo", False), request_id=request_id or None)
+
+
+def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_tokens: Any,
+              logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
     try:
-        params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        params = SamplingParams(
+            max_tokens=max_tokens, logprobs=logprobs, seed=f.seed(fields),
+            logit_bias=f.logit_bias(fields, model.vocab_size),
+            prompt_logprobs=prompt_logprobs, structured=constraints.from_fields(fields),
+            **kwargs)
         params.validate_for_model(model.vocab_size)
+    except RequestError:
+        raise
     except ValueError as exc:  # SamplingParams' messages start with the field's name
         first = str(exc).split(" ", 1)[0]
         param = max_field if first == "max_tokens" else first if first in fields else None
@@ -173,92 +338,66 @@ def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_de
     return params
 
 
-def _stream(fields: dict[str, Any]) -> tuple[bool, bool]:
-    stream = fields.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be a boolean", "stream")
-    opts = fields.get("stream_options", {})
-    if not isinstance(opts, Mapping) or set(opts) - {"include_usage"}:
-        raise RequestError("stream_options must be an object with only include_usage",
-                           "stream_options")
-    usage = opts.get("include_usage", False)
-    if not isinstance(usage, bool):
-        raise RequestError("stream_options.include_usage must be a boolean", "stream_options")
-    return stream, usage
+def _texts(messages: list[dict]) -> list[str]:
+    """The free text of template-ready messages: contents and tool-call arguments."""
+    out = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            args = (call.get("function") or {}).get("arguments")
+            if isinstance(args, str):
+                out.append(args)
+    return out
 
 
 def _chat_logprobs(fields: dict[str, Any]) -> tuple[bool, int]:
-    want = fields.get("logprobs", False)
-    if not isinstance(want, bool):
-        raise RequestError("logprobs must be a boolean", "logprobs")
-    top = fields.get("top_logprobs", 0)
-    if not _is_int(top) or not 0 <= top <= MAX_LOGPROBS:
-        raise RequestError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}]",
-                           "top_logprobs")
+    want = f.boolean(fields, "logprobs", False)
+    top = f.integer(fields, "top_logprobs", 0, 0, MAX_LOGPROBS)
     if top and not want:
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
     return want, top
 
 
-def _prompt(prompt: Any) -> str | tuple[int, ...]:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt must not be empty", "prompt")
-        return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return tuple(prompt)
-    if isinstance(prompt, list) and all(isinstance(p, str | list) for p in prompt):
-        raise RequestError("batched prompts are not supported: send one prompt per request",
-                           "prompt")
+def template_options(fields: dict[str, Any]) -> TemplateOptions:
+    gen = f.boolean(fields, "add_generation_prompt", True)
+    cont = f.boolean(fields, "continue_final_message", False)
+    if gen and cont:
+        raise RequestError("continue_final_message and add_generation_prompt cannot both "
+                           "be true", "continue_final_message")
+    kwargs = f.mapping(fields, "chat_template_kwargs") or {}
+    return TemplateOptions(gen, cont, f.boolean(fields, "add_special_tokens", False),
+                           dict(kwargs))
+
+
+def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
+    """A string, token ids, or a batch: a list of strings or of token-id lists."""
     if prompt is None:
         raise RequestError("prompt is required", "prompt")
-    raise RequestError("prompt must be a string or a list of token ids", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
+                                   and all(f.is_int(t) for t in prompt)):
+        items = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        items = prompt
+    else:
+        raise RequestError("prompt must be a string, a list of token ids, or a non-empty "
+                           "list of either", "prompt")
+    if len(items) > MAX_PROMPTS:
+        raise RequestError(f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    out: list[str | tuple[int, ...]] = []
+    for p in items:
+        if isinstance(p, str):
+            if not p:
+                raise RequestError("prompt must not be empty", "prompt")
+            out.append(p)
+        elif p and all(f.is_int(t) for t in p):
+            out.append(tuple(p))
+        else:
+            raise RequestError("each prompt must be a non-empty string or list of token ids",
+                               "prompt")
+    return tuple(out)
 
 
-def _messages(messages: Any) -> tuple[dict[str, str], ...]:
-    if messages is None:
-        raise RequestError("messages is required", "messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list", "messages")
-    return tuple(_message(i, m) for i, m in enumerate(messages))
-
-
-def _message(i: int, m: Any) -> dict[str, str]:
-    where = f"messages[{i}]"
-    if not isinstance(m, Mapping):
-        raise RequestError(f"{where} must be an object", "messages")
-    unknown = sorted(set(m) - {"role", "content", "name"})
-    if unknown:
-        raise RequestError(f"{where} has unsupported field(s): {', '.join(unknown)}",
-                           "messages")
-    role = m.get("role")
-    if role not in _ROLES:
-        raise RequestError(f"{where}.role must be one of {sorted(_ROLES)}", "messages")
-    out = {"role": role, "content": _content(where, m.get("content"))}
-    if m.get("name") is not None:
-        if not isinstance(m["name"], str):
-            raise RequestError(f"{where}.name must be a string", "messages")
-        out["name"] = m["name"]
-    return out
-
-
-def _content(where: str, content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise RequestError(f"{where}.content must be a string or a list of parts", "messages")
-    texts = []
-    for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text" \
-                or not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.content[{j}] must be a text part "
-                               '({"type": "text", "text": ...})', "messages")
-        texts.append(part["text"])
-    return "\n".join(texts)
+def _max_opt(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else max(a, b)
 
 
 def _no_constant(name: str) -> Any:
@@ -272,7 +411,3 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         dup = next(k for k, _ in pairs if k in seen or seen.add(k))
         raise ValueError(f"duplicate key {dup!r}")
     return out
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

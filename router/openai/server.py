@@ -10,22 +10,25 @@ Slow clients: a connection whose first request line and headers are not all ther
 `header_timeout_s` of it opening is answered 408 and closed (`connection.HeadTimeout`; a
 kept-alive connection short of its next head is closed `2 × header_timeout_s` after its last
 response); a body not all there within `body_timeout_s` of the headers is a 408
-(`generation.read_json`).
+(`body.read_json`).
 
     GET  /health                 200 while a decode worker is healthy, else 503
     GET  /metrics                Prometheus text format (when the router passes a registry)
     GET  /v1/models[/{model}]
     POST /v1/completions
     POST /v1/chat/completions
+    POST /tokenize, /detokenize  vLLM's tokenizer endpoints (info.py)
+    GET  /version, /load, /ping, /tokenizer_info;  POST /invocations (SageMaker)
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -33,7 +36,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
-from router.openai import chat, completions, sse
+from router.openai import chat, completions, info, sse
+from router.openai.body import BodyLimits
 from router.openai.connection import connection_protocol
 from router.openai.errors import (
     ApiError,
@@ -44,12 +48,24 @@ from router.openai.errors import (
 )
 from router.openai.generation import ApiContext
 from router.openai.responses import model_json, models_json
-from router.openai.schemas import ServedModel
+from router.openai.schemas import IgnoredFields, ServedModel
+from router.openai.tools import ToolConfig
 
 log = logging.getLogger(__name__)
 
-# /health stays open (probes); /metrics checks its own tokens (`HttpConfig.metrics_tokens`).
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+# /health, /ping and /version stay open (probes); /metrics checks its own tokens
+# (`HttpConfig.metrics_tokens`).
+_OPEN_PATHS = frozenset({"/health", "/metrics", "/ping", "/version"})
+
+
+@dataclass(frozen=True)
+class ApiOptions:
+    """vLLM's server flags that change what the OpenAI API answers."""
+
+    tools: ToolConfig = ToolConfig()
+    """--tool-call-parser / --enable-auto-tool-choice."""
+    prompt_tokens_details: bool = False
+    """--enable-prompt-tokens-details: usage reports cached prompt tokens."""
 
 
 @dataclass(frozen=True)
@@ -69,16 +85,21 @@ class HttpConfig:
     """Bearer tokens for `/metrics` (empty = `auth_tokens`: metrics follow the API's auth)."""
     ssl_context: ssl.SSLContext | None = field(default=None, compare=False)
     """TLS (None = plaintext HTTP); one that requires client certificates makes it mTLS."""
+    api: ApiOptions = ApiOptions()
+    """What the API answers (vLLM's server flags)."""
 
 
 class OpenAIServer:
     def __init__(self, frontend: Frontend, model: ServedModel, config: HttpConfig,
-                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None
-                 ) -> None:
-        self.ctx = ApiContext(frontend, model, config.max_body_bytes, config.body_timeout_s)
+                 healthy: Callable[[], bool], metrics: CollectorRegistry | None = None,
+                 before_scrape: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.ctx = ApiContext(frontend, model, config.api.tools, IgnoredFields(log),
+                              config.api.prompt_tokens_details,
+                              BodyLimits(config.max_body_bytes, config.body_timeout_s))
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
+        self.before_scrape = before_scrape  # refreshes what the collectors read
         self._runner: web.AppRunner | None = None
         self._site: asyncio.Server | None = None
         self.address = ""
@@ -94,7 +115,19 @@ class OpenAIServer:
         app.router.add_get("/v1/models/{model}", self._model)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
+        self._add_vllm_routes(app)
         return app
+
+    def _add_vllm_routes(self, app: web.Application) -> None:
+        for method, path, fn in (("POST", "/tokenize", info.tokenize),
+                                 ("POST", "/detokenize", info.detokenize),
+                                 ("GET", "/tokenizer_info", info.tokenizer_info),
+                                 ("POST", "/invocations", info.invocations)):
+            app.router.add_route(method, path, functools.partial(fn, ctx=self.ctx))
+        app.router.add_get("/load", self._load)
+        app.router.add_get("/version", self._version)
+        app.router.add_get("/ping", self._health)
+        app.router.add_post("/ping", self._health)
 
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -136,11 +169,19 @@ class OpenAIServer:
         return web.json_response({"status": "ok" if ok else "unavailable"},
                                  status=200 if ok else 503)
 
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": info.version()})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return info.load(self.ctx)
+
     async def _metrics(self, request: web.Request) -> web.Response:
         assert self.metrics is not None
         if not bearer_ok(request.headers.get("Authorization"),
                          self.config.metrics_tokens or self.config.auth_tokens):
             raise unauthenticated()
+        if self.before_scrape is not None:
+            await self.before_scrape()
         return web.Response(body=generate_latest(self.metrics),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -149,9 +190,9 @@ class OpenAIServer:
 
     async def _model(self, request: web.Request) -> web.Response:
         name = request.match_info["model"]
-        if name != self.ctx.model.id:
+        if name not in self.ctx.model.names:
             raise model_not_found(name, self.ctx.model.id)
-        return web.json_response(model_json(self.ctx.model), dumps=sse.dumps)
+        return web.json_response(model_json(self.ctx.model, name), dumps=sse.dumps)
 
 
 @web.middleware

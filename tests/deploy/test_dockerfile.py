@@ -1,8 +1,9 @@
-"""deploy/Dockerfile, without Docker: it pins the torch that pyproject.toml pins (CPU wheel),
-installs the runtime dependencies and never the dev ones, runs as a numeric non-root user,
-holds no model, starts `pdserve`, and its build context lets in every package the wheel ships.
-Then the Kubernetes side: every pdserve Deployment runs a role that this entrypoint really has,
-with flags that role takes, as a non-root pod, from the image the kustomization names."""
+"""deploy/Dockerfile, without Docker: hadolint passes it; its base image is an exact tag; it pins
+the torch that pyproject.toml pins (CPU wheel), installs the runtime dependencies under the
+constraints file (every one of them pinned) and never the dev ones, runs as a numeric non-root
+user, holds no model, starts `pdserve`, and its build context lets in every package the wheel
+ships. Then the Kubernetes side: every pdserve Deployment the Helm chart renders runs a role
+that this entrypoint really has, with flags that role takes, from the chart's image."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is not installed")
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "deploy" / "Dockerfile"
-K8S = ROOT / "deploy" / "k8s"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 PROJECT = PYPROJECT["project"]
 
@@ -77,12 +77,45 @@ def test_torch_is_the_pyproject_pin_from_the_pytorch_cpu_index():
     assert "torch==${TORCH_VERSION}" in argv
 
 
-def test_every_stage_starts_from_the_python_slim_base_pyproject_allows():
+def test_every_stage_starts_from_an_exact_python_slim_tag_pyproject_allows():
     steps = instructions()
-    assert steps[0] == ("ARG", "BASE_IMAGE=python:3.11-slim")
+    kind, base = steps[0]
+    assert kind == "ARG"
+    image = base.removeprefix("BASE_IMAGE=")
+    # An exact release (3.11.N on a named Debian), never a moving tag like 3.11-slim.
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", image), image
     froms = [rest.split()[0] for k, rest in steps if k == "FROM"]
     assert froms and all(f == "${BASE_IMAGE}" for f in froms)
     assert PROJECT["requires-python"] == ">=3.11"
+
+
+def test_hadolint_passes():
+    from tests.deploy.k8s_render import tool
+
+    done = subprocess.run([tool("hadolint"), "--no-color", str(DOCKERFILE)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_runtime_dependencies_install_under_constraints_that_pin_all_of_them():
+    sys.path.insert(0, str(ROOT / "deploy" / "tools"))
+    try:
+        import constraints
+    finally:
+        sys.path.pop(0)
+    (run,) = [r for r in runs(final_stage()) if "tomllib" in r]
+    assert "-c /tmp/constraints.txt" in run
+    copies = [shlex.split(rest) for k, rest in final_stage() if k == "COPY"]
+    assert ["deploy/constraints.txt", "/tmp/constraints.txt"] in copies
+    pinned = {}
+    for line in (ROOT / "deploy" / "constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            assert version, line  # exact pins only
+            pinned[name] = version
+    want = constraints.closure(PROJECT["dependencies"] + PROJECT["optional-dependencies"]["ray"])
+    assert set(want) <= set(pinned), sorted(set(want) - set(pinned))
+    assert "torch" not in pinned  # torch comes from the PyTorch index at the pyproject pin
 
 
 def _requirements_snippet() -> str:
@@ -162,31 +195,35 @@ def test_the_build_context_lets_in_every_package_the_wheel_ships_and_nothing_els
         assert not _ignored(f"{root}/__init__.py", patterns), root
         assert _ignored(f"{root}/__pycache__/__init__.cpython-311.pyc", patterns), root
     assert not _ignored("pyproject.toml", patterns)
+    assert not _ignored("deploy/constraints.txt", patterns)
     assert not _ignored(PROJECT["readme"], patterns)  # the wheel build reads it
     for kept_out in (".venv/bin/python", ".git/HEAD", "tests/conftest.py", "bench/results/x",
                      "models/llama/model.safetensors", "pdserve.egg-info/PKG-INFO"):
         assert _ignored(kept_out, patterns), kept_out
 
 
-# -- the Kubernetes manifests against the image ------------------------------------------------
+# -- the Helm chart against the image ------------------------------------------------------
 
 def _pdserve_deployments() -> dict[str, dict]:
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    (image,) = [i for i in kustomization["images"] if i["name"] == "pdserve"]
-    assert image["newTag"] == PROJECT["version"]  # the tag follows the package version
+    from tests.deploy.k8s_render import render
+
+    objs = render()
     out = {}
-    for name in kustomization["resources"]:
-        for doc in yaml.safe_load_all((K8S / name).read_text()):
-            if doc and doc["kind"] == "Deployment":
-                pod = doc["spec"]["template"]["spec"]
-                if any(c["image"] == image["name"] for c in pod["containers"]):
-                    out[doc["metadata"]["name"]] = pod
+    for doc in objs:
+        if doc["kind"] == "Deployment":
+            pod = doc["spec"]["template"]["spec"]
+            if any(c["image"].startswith("pdserve:") for c in pod["containers"]):
+                out[doc["metadata"]["name"]] = pod
     return out
 
 
-def test_the_kustomization_names_the_image_of_router_and_both_pools():
-    assert set(_pdserve_deployments()) == {"pdserve-router", "pdserve-prefill",
-                                           "pdserve-decode"}
+def test_the_chart_runs_router_and_both_pools_from_the_package_versions_image():
+    chart = yaml.safe_load((ROOT / "deploy" / "helm" / "pdserve" / "Chart.yaml").read_text())
+    assert chart["appVersion"] == PROJECT["version"]  # the image tag follows the package
+    pods = _pdserve_deployments()
+    assert set(pods) == {"pd-pdserve-router", "pd-pdserve-prefill", "pd-pdserve-decode"}
+    for pod in pods.values():
+        assert pod["containers"][0]["image"] == f"pdserve:{PROJECT['version']}"
 
 
 # What the console script does with `ROLE --help`, for each role given, in one process (the
@@ -215,7 +252,8 @@ def role_help() -> dict[str, tuple[int, str]]:
     return {role: tuple(v) for role, v in json.loads(done.stdout.splitlines()[-1]).items()}
 
 
-@pytest.mark.parametrize("deployment", ["pdserve-router", "pdserve-prefill", "pdserve-decode"])
+@pytest.mark.parametrize("deployment", ["pd-pdserve-router", "pd-pdserve-prefill",
+                                        "pd-pdserve-decode"])
 def test_each_deployment_runs_a_role_the_entrypoint_has_with_flags_it_takes(deployment,
                                                                            role_help):
     pod = _pdserve_deployments()[deployment]
@@ -224,12 +262,14 @@ def test_each_deployment_runs_a_role_the_entrypoint_has_with_flags_it_takes(depl
     (entrypoint,) = [rest for k, rest in final_stage() if k == "ENTRYPOINT"]
     entry, role = c["command"]
     assert entry == json.loads(entrypoint)[0]
-    # The role exists if it answers --help with a usage that lists every flag the manifest
+    # The role exists if it answers --help with a usage that lists every flag the chart
     # passes (an unknown role is an argparse error, exit 2).
     code, usage = role_help[role]
     assert code == 0, f"{deployment}: `pdserve {role} --help` exited {code}"
     for flag in (a for a in c["args"] if a.startswith("--")):
         assert re.search(rf"{re.escape(flag)}(?![\w-])", usage), f"{deployment}: {flag}"
+    uid = [rest for k, rest in final_stage() if k == "USER"][-1].partition(":")[0]
+    assert pod["securityContext"]["runAsUser"] == int(uid)  # the image's own user
     for mount in c["volumeMounts"]:
         if mount["name"] == "model":
             assert mount["mountPath"] == "/models" and mount["readOnly"] is True

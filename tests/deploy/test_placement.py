@@ -32,7 +32,10 @@ def test_command_lines_carry_no_secret_and_the_router_no_worker_list():
     pool = PoolSpec("prefill", tp=2, cpus_per_rank=3, worker_args=("--dtype", "bfloat16"))
     args = placement.worker_args("/m", pool, "prefill-3", "10.0.0.5")
     assert args == ["--model", "/m", "--host", "10.0.0.5", "--port", "0", "--worker-id",
-                    "prefill-3", "--tp", "2", "--threads", "3", "--dtype", "bfloat16"]
+                    "prefill-3", "--metrics-port", "0", "--tp", "2", "--threads", "3",
+                    "--dtype", "bfloat16"]
+    drained = placement.worker_args("/m", pool, "prefill-3", "h", drain_timeout_s=50)
+    assert drained[drained.index("--drain-timeout") + 1] == "50"
     r = placement.router_args("/m", RouterSpec(port=0, http_port=-1, args=("--routing", "kv")),
                               "10.0.0.1")
     assert "--decode" not in r and "--prefill" not in r and "--redis" not in r
@@ -52,6 +55,11 @@ def test_command_lines_carry_no_secret_and_the_router_no_worker_list():
     (lambda: RayClusterSpec(model="/m", redis_url=""), "redis_url"),
     (lambda: RayClusterSpec(model="/m", redis_url="redis://h", decode=PoolSpec("prefill")),
      "decode"),
+    (lambda: RouterSpec(replicas=-1), "replicas"),
+    (lambda: RayClusterSpec(model="/m", redis_url="redis://h", stop_grace_s=20), "stop_grace_s"),
+    (lambda: RayClusterSpec(model="/m", redis_url="redis://h", drain_timeout_s=60),
+     "stop_grace_s"),
+    (lambda: RayClusterSpec(model="/m", redis_url="redis://h", name="a b"), "name"),
 ])
 def test_specs_are_validated_with_the_field_named(make, field):
     with pytest.raises(ValueError, match=field):
@@ -66,6 +74,13 @@ def test_a_stop_outlasts_a_workers_drain():
     drain = worker_base.DrainConfig()
     spec = RayClusterSpec(model="/m", redis_url="redis://h/0")
     assert spec.stop_grace_s > drain.notice_s + drain.grace_s
+    assert process_spec_constants() == (drain.notice_s, drain.grace_s)
+
+
+def process_spec_constants() -> tuple[float, float]:
+    from pdserve.deploy import spec
+
+    return spec.WORKER_DRAIN_NOTICE_S, spec.WORKER_DRAIN_TIMEOUT_S
 
 
 def test_constants_spelled_out_match_the_workers():
@@ -101,38 +116,49 @@ def test_managed_process_kills_a_child_that_ignores_sigterm():
     assert p.stop(grace_s=0.5) == -9
 
 
-def test_the_spec_crosses_to_the_controller_as_plain_data_and_back():
-    from pdserve.deploy.controller import spec_from_dict, spec_to_dict
-
-    spec = RayClusterSpec(model="/m", redis_url="redis://h:1/0", host="10.0.0.2",
-                          prefill=PoolSpec("prefill", tp=2, resources={"pdserve_prefill": 1},
-                                           worker_args=("--dtype", "bfloat16")),
-                          router=RouterSpec(args=("--routing", "kv")))
-    d = spec_to_dict(spec)
-    plain = (str, int, float, bool, type(None), list, tuple, dict)
-
-    def walk(x):
-        assert isinstance(x, plain), type(x)
-        for v in (x.values() if isinstance(x, dict) else x if isinstance(x, list | tuple)
-                  else ()):
-            walk(v)
-
-    walk(d)
-    assert spec_from_dict(d) == spec
-    assert spec_from_dict({**d, "router": None}).router is None
+def test_managed_process_keeps_the_stderr_tail_and_writes_its_log(tmp_path):
+    code = ("import sys; print('loading', flush=True); "
+            "print('OSError: [Errno 98] address already in use', file=sys.stderr); sys.exit(1)")
+    log = tmp_path / "logs" / "w.log"
+    p = ManagedProcess([sys.executable, "-c", code], ENV, name="w", log_path=log)
+    with pytest.raises(RuntimeError, match="(?s)w exited with code 1.*address already in use"):
+        p.wait_ready(30)
+    assert p.tail() == ["OSError: [Errno 98] address already in use"]
+    text = log.read_text()
+    assert "loading" in text and "address already in use" in text
 
 
-def test_pdserve_ray_parses_up_and_scale():
-    import argparse
+def test_a_managed_child_dies_with_its_supervisor(tmp_path):
+    """SIGKILL of the supervising process (a Ray actor, a lost node) leaves no orphan."""
+    import signal
+    import subprocess
+    import time
 
-    from pdserve.deploy.cli import add_arguments
+    pid_file = tmp_path / "child.pid"
+    code = ("import sys, time; from pdserve.deploy.process import ManagedProcess; "
+            "p = ManagedProcess([sys.executable, '-c', 'import time; time.sleep(120)'], "
+            "{'PATH': ''}, name='c'); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(120)")
+    sup = subprocess.Popen([sys.executable, "-c", code], env=ENV)
+    try:
+        end = time.monotonic() + 30
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < end:
+            time.sleep(0.05)
+        child = int(pid_file.read_text())
+        assert _alive(child)
+        sup.send_signal(signal.SIGKILL)
+        sup.wait()
+        end = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        sup.kill()
 
-    p = argparse.ArgumentParser()
-    add_arguments(p)
-    a = p.parse_args(["up", "--model", "/m", "--redis", "redis://h/0", "--decode", "3",
-                      "--decode-tp", "2", "--gpus-per-rank", "1"])
-    assert (a.ray_cmd, a.decode, a.decode_tp, a.gpus_per_rank) == ("up", 3, 2, 1.0)
-    a = p.parse_args(["scale", "--role", "prefill", "--replicas", "0"])
-    assert (a.role, a.replicas, a.address) == ("prefill", 0, "auto")
-    with pytest.raises(SystemExit):
-        p.parse_args(["scale", "--role", "both", "--replicas", "1"])
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
-    c = start_cluster(tiny_llama, tmp_path_factory.mktemp("bench-cluster"))
+    # --enable-prompt-tokens-details: the OpenAI usage reports cached tokens (vLLM's flag).
+    c = start_cluster(tiny_llama, tmp_path_factory.mktemp("bench-cluster"),
+                      router_args=("--enable-prompt-tokens-details",))
     yield c
     c.stop()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import subprocess
 import sys
@@ -11,8 +12,10 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kv_store.transfer.nixl_agent import NixlAgent, NixlUnavailable
 from pdserve.client import AsyncClient, Client, PDServeError
 from pdserve.engine import LLM, SamplingParams
+from pdserve.serving.kv_transport import KV_TRANSPORT_ENV
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import listening_addresses, start_cluster, wait_idle, worker_stats
 from tests.helpers.engine import random_prompts
@@ -58,6 +61,23 @@ def test_greedy_outputs_equal_the_single_process_engine(cluster, reference):
     assert sum(s.counters["remote_prefills"] for s in decode) > 0  # via the prefill worker
     assert sum(s.counters["local_prefills"] for s in decode) > 0  # conditional disaggregation
     assert all(s.counters["engine_steps"] > 0 for s in decode)  # both decode workers used
+    received = sum(s.counters["kv_bytes_received"] for s in decode)
+    nixl = sum(s.counters["kv_bytes_received_nixl"] for s in decode)
+    transports = {c.info["kv_transport"] for c in cluster.children}
+    assert received > 0 and nixl == (received if transports == {"nixl"} else 0), transports
+
+
+def test_workers_move_kv_with_the_transport_they_were_given(cluster):
+    """NIXL by default where it loads; `--kv-transport gloo` (or $PDSERVE_KV_TRANSPORT, how
+    the suite is run over gloo) where asked."""
+    asked = os.environ.get(KV_TRANSPORT_ENV, "nixl")
+    try:
+        NixlAgent("127.0.0.1").close()
+        loads = True
+    except NixlUnavailable:
+        loads = False
+    expected = "nixl" if asked == "nixl" and loads else "gloo"
+    assert {c.info["kv_transport"] for c in cluster.children} == {expected}
     assert not any(wait_idle(cluster).values())
 
 

@@ -135,7 +135,7 @@ def test_bad_temperature_is_a_bad_request_naming_the_field(api, model_id):
     assert "temperature" in err.value.message
     assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as err:
-        api.chat.completions.create(model=model_id, messages=MESSAGES, n=2)
+        api.chat.completions.create(model=model_id, messages=MESSAGES, n=0)
     assert err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="no-such-model", prompt="hi")

@@ -31,7 +31,7 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.parallel import ParallelContext
-from pdserve.engine.quant.checkpoint import QuantScheme, resolve_quantization, scale_column
+from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
@@ -39,38 +39,14 @@ from pdserve.engine.quant.fp8 import (
     dequantize_rows,
     quantize_rows,
 )
-from tests.helpers.checkpoints import VOCAB, save_tiny
+from pdserve.engine.quant.fp8_scheme import Fp8Scheme, scale_column
+from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
 from tests.helpers.engine import random_prompts
 
 _LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 # -- checkpoints -----------------------------------------------------------------------------
-def _make_bigram(model_dir: Path, push: float = 4.0, seed: int = 0) -> None:
-    """Turn layer 0's MLP into a lookup: token x pushes the hidden state towards the LM-head
-    row of a successor token succ[x] (a random permutation).
-
-    A random-init model's logits are nearly tied (the median top-1 margin is ~0.2 standard
-    deviations), so any perturbation flips many argmaxes and agreement measures luck. Here,
-    as in a trained LM, most positions have a clear winner, and that winner is decided by
-    quantised layers: if FP8 broke them the argmax would no longer be the successor.
-    """
-    path = model_dir / "model.safetensors"
-    w = load_file(str(path))
-    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
-    vocab = emb.shape[0]
-    assert w["model.layers.0.mlp.gate_proj.weight"].shape[0] == vocab  # one neuron per token
-    succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
-    unit = emb / emb.norm(dim=1, keepdim=True)
-    # gate = up = 0.5 * (unit embedding): neuron x fires ~silu(8) * 8 = 64 for token x, ~0 else.
-    w["model.layers.0.mlp.gate_proj.weight"] = 0.5 * unit
-    w["model.layers.0.mlp.up_proj.weight"] = 0.5 * unit
-    head_unit = head / head.norm(dim=1, keepdim=True)
-    w["model.layers.0.mlp.down_proj.weight"] = (push / 64) * head_unit[succ].t().contiguous()
-    save_file(w, str(path), metadata={"format": "pt"})
-    (model_dir / "successors.json").write_text(json.dumps(succ.tolist()))
-
-
 def write_fp8_checkpoint(src: Path, dst: Path, per_tensor: bool = False,
                          flat_scales: bool = False) -> Path:
     """An FP8 copy of a full-precision checkpoint, as quantising tools write them: E4M3
@@ -99,7 +75,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, per_tensor: bool = False,
 def bigram_dir(tmp_path_factory):
     d = save_tiny(tmp_path_factory.mktemp("fp8_bigram"), "llama", seed=5, hidden_size=256,
                   intermediate_size=VOCAB, num_attention_heads=8, num_key_value_heads=4)
-    _make_bigram(d)
+    make_bigram(d)
     return d
 
 
@@ -292,11 +268,11 @@ def _write_config(d: Path, quantization_config) -> Path:
 def test_quantization_scheme_comes_from_the_request_or_the_checkpoint(tmp_path):
     plain = _write_config(tmp_path / "plain", None)
     assert resolve_quantization(None, plain) is None
-    assert resolve_quantization("fp8", plain) == QuantScheme("fp8", serialized=False)
+    assert resolve_quantization("fp8", plain) == Fp8Scheme(serialized=False)
     fp8 = _write_config(tmp_path / "fp8", {"quant_method": "fp8", "ignored_layers": ["lm_head"]})
-    assert resolve_quantization(None, fp8) == QuantScheme("fp8", serialized=True)
+    assert resolve_quantization(None, fp8) == Fp8Scheme(serialized=True)
     with pytest.raises(ValueError, match="quant_method"):
-        resolve_quantization(None, _write_config(tmp_path / "awq", {"quant_method": "awq"}))
+        resolve_quantization(None, _write_config(tmp_path / "bnb", {"quant_method": "bnb"}))
     with pytest.raises(ValueError, match="weight_block_size"):
         resolve_quantization(None, _write_config(
             tmp_path / "blk", {"quant_method": "fp8", "weight_block_size": [128, 128]}))
@@ -304,7 +280,9 @@ def test_quantization_scheme_comes_from_the_request_or_the_checkpoint(tmp_path):
         resolve_quantization(None, _write_config(
             tmp_path / "mix", {"quant_method": "fp8", "ignored_layers": ["model.layers.0.mlp"]}))
     with pytest.raises(ValueError, match="quantization must be"):
-        resolve_quantization("int4", plain)
+        resolve_quantization("int8", plain)
+    with pytest.raises(ValueError, match="checkpoint is fp8"):
+        resolve_quantization("int4", fp8)
 
 
 def test_fp8_checkpoint_without_a_weight_scale_is_rejected(tiny_llama, tmp_path):

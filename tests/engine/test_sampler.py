@@ -398,3 +398,41 @@ def test_cuda_draws_match_cpu_draws():
     logits = torch.randn(len(MIXED), 300, generator=torch.Generator().manual_seed(11)) * 2
     cpu = Sampler()(logits, mixed_rows()).token_ids
     assert Sampler()(logits.cuda(), mixed_rows()).token_ids == cpu
+
+
+# -- grammar bitmask, logit_bias, choice seeds -----------------------------------------------
+
+
+def test_bitmask_keeps_only_allowed_tokens_on_its_rows():
+    from pdserve.engine.sampler import apply_token_bitmask
+
+    logits = torch.zeros(3, 40)
+    mask = torch.zeros(1, 2, dtype=torch.int32)
+    mask[0, 0] = (1 << 3) | -(1 << 31)  # bit 31 is the int32 sign bit
+    mask[0, 1] = 1 << 2  # token 34
+    apply_token_bitmask(logits, mask, [1])
+    assert torch.isfinite(logits[1]).nonzero().flatten().tolist() == [3, 31, 34]
+    assert torch.isfinite(logits[0]).all() and torch.isfinite(logits[2]).all()
+
+
+def test_logit_bias_is_added_and_breaks_the_greedy_fast_path():
+    out = Sampler()(LOG_P4.reshape(1, -1), [row(greedy(logit_bias={3: 10.0}))])
+    assert out.token_ids == [3]
+    assert_probs(probs_of(SamplingParams(logit_bias={0: -100, 1: -100, 2: -100})),
+                 [0, 0, 0, 1])
+
+
+def test_min_tokens_never_empties_a_row():
+    """A grammar that allows only EOS, while min_tokens bans it: EOS stays (no crash)."""
+    logits = torch.tensor([[float("-inf"), float("-inf"), 0.0, float("-inf")]])
+    out = Sampler()(logits, [row(SamplingParams(min_tokens=5, temperature=0.9), eos={2})])
+    assert out.token_ids == [2]
+
+
+def test_choice_seeds_keep_choice_zero_and_differ_otherwise():
+    from pdserve.engine.sampler import choice_seed
+
+    assert choice_seed(1234, 0) == 1234
+    seeds = {choice_seed(1234, i) for i in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert choice_seed(1234, 3) == choice_seed(1234, 3)

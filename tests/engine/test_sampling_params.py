@@ -53,6 +53,13 @@ BAD_VALUES = [
     ("logprobs", 21),
     ("logprobs", 2.0),
     ("include_stop_str_in_output", None),
+    ("logit_bias", {5: 100.5}),
+    ("logit_bias", {-1: 1.0}),
+    ("logit_bias", {"5": 1.0}),
+    ("logit_bias", "5:1"),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("structured", {"kind": "regex", "spec": "a"}),
 ]
 
 

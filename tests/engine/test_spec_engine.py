@@ -208,3 +208,20 @@ def test_stats_keys_exist_without_speculation(tiny_llama):
 def test_bad_speculative_config_is_rejected(tiny_llama):
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         LLM(str(tiny_llama), **BASE, speculative_config={"method": "ngram"})
+
+
+def test_a_prompt_whose_last_token_is_left_alone_keeps_a_seeded_output(tiny_llama):
+    # Chunks of 16 leave the 33-token prompt's last token alone for a step (as a forked
+    # choice's is): that step samples the first token plainly, as the unchunked run does,
+    # and does not verify drafts for it.
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+            "adaptive": False}
+    prompt = random_prompts([33], VOCAB, seed=8)[0]
+    prompt[-3:] = prompt[:3]  # something for the n-gram lookup to draft from
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=5, ignore_eos=True)
+    outs = []
+    for chunk in ({}, dict(max_num_batched_tokens=16)):
+        llm = LLM(str(tiny_llama), **BASE, **chunk, speculative_config=spec)
+        outs.append(llm.generate([prompt], p)[0].token_ids)
+        assert_all_idle(llm)
+    assert outs[0] == outs[1] and len(outs[0]) == 16

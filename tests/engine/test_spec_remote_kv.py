@@ -1,9 +1,10 @@
 """Draft-model speculation for a request whose prompt KV was computed by another engine.
 
 This is a decode worker's situation: a prefill worker computes the prompt KV and the first
-token, the KV lands in the decode engine's blocks, and the request is activated the way
-`decode_worker.service.DecodeService._activate` does it. The draft model never saw the prompt;
-it must catch up on its own cache before drafting (see `pdserve/engine/spec/draft_model.py`).
+token, the KV lands in the decode engine's reserved blocks, and the request is activated
+through the engine's remote-KV API (`reserve_remote` / `activate_remote`), as the decode
+worker does. The draft model never saw the prompt; it must catch up on its own cache before
+drafting (see `pdserve/engine/spec/draft_model.py`).
 With the target as its own draft, acceptance stays near 1 only if that catch-up is right.
 """
 
@@ -15,7 +16,6 @@ import torch
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine import LLMEngine
-from pdserve.engine.request import RequestStatus
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.engine import random_prompts
 
@@ -41,20 +41,13 @@ def prefill_elsewhere(model, prompt) -> tuple[LLMEngine, list[int], int]:
 
 
 def receive_and_activate(dec: LLMEngine, prompt, src: LLMEngine, src_blocks, first: int):
-    """What the decode worker does: reserve blocks, receive every layer's KV, activate."""
-    req = dec.add_request("r", prompt, PARAMS, seed=0, status=RequestStatus.WAITING_FOR_KV)
-    kv = dec.scheduler.kv
-    hits = kv.match_prefix(req)
-    assert kv.admit(req, hits, len(prompt) - len(hits) * kv.block_size)
-    req.num_cached_tokens = req.num_computed_tokens
-    n = len(req.block_ids)
+    """Reserve blocks, land every layer's KV in the blocks still needed (what the transfer
+    engine does), activate."""
+    res = dec.reserve_remote("r", prompt, PARAMS, seed=0)
+    need = torch.tensor(res.needed)
     for s, d in zip(src.runner.caches, dec.runner.caches, strict=True):
-        d[torch.tensor(req.block_ids)] = s[torch.tensor(src_blocks[:n])]
-    req.num_computed_tokens = req.num_prompt_tokens
-    req.output_token_ids.append(first)
-    kv.publish(req)
-    dec.scheduler.activate(req)
-    return req
+        d[need] = s[torch.tensor(src_blocks[res.cached_blocks:len(res.block_ids)])]
+    assert dec.activate_remote("r", first) is None  # it runs on
 
 
 def assert_draft_kv_matches_target(dec: LLMEngine, drafter) -> int:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from pdserve.demo_model import write_tokenizer_files
 
@@ -96,3 +98,28 @@ def hf_logits(model_dir: Path, prompt: list[int]) -> torch.Tensor:
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
         return model(torch.tensor([prompt])).logits[0].float()
+
+
+def make_bigram(model_dir: Path, push: float = 4.0, seed: int = 0) -> None:
+    """Turn layer 0's MLP into a lookup: token x pushes the hidden state towards the LM-head
+    row of a successor token succ[x] (a random permutation).
+
+    A random-init model's logits are nearly tied (the median top-1 margin is ~0.2 standard
+    deviations), so any perturbation flips many argmaxes and agreement measures luck. Here,
+    as in a trained LM, most positions have a clear winner, and that winner is decided by
+    quantised layers: if quantisation broke them the argmax would no longer be the successor.
+    """
+    path = model_dir / "model.safetensors"
+    w = load_file(str(path))
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    vocab = emb.shape[0]
+    assert w["model.layers.0.mlp.gate_proj.weight"].shape[0] == vocab  # one neuron per token
+    succ = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    unit = emb / emb.norm(dim=1, keepdim=True)
+    # gate = up = 0.5 * (unit embedding): neuron x fires ~silu(8) * 8 = 64 for token x, ~0 else.
+    w["model.layers.0.mlp.gate_proj.weight"] = 0.5 * unit
+    w["model.layers.0.mlp.up_proj.weight"] = 0.5 * unit
+    head_unit = head / head.norm(dim=1, keepdim=True)
+    w["model.layers.0.mlp.down_proj.weight"] = (push / 64) * head_unit[succ].t().contiguous()
+    save_file(w, str(path), metadata={"format": "pt"})
+    (model_dir / "successors.json").write_text(json.dumps(succ.tolist()))

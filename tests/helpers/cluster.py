@@ -9,13 +9,23 @@ from pathlib import Path
 
 import grpc
 
+from kv_store.transfer import TransferConfig
 from pdserve.launcher import ClusterSpec, LocalCluster
 from pdserve.proto import worker_pb, worker_pb_grpc
 from pdserve.serving.security import ClientSecurity, ClusterSecret
+from pdserve.serving.security.secret import KV_PURPOSE
 
 TEST_SECRET = "pdserve-test-cluster-secret-do-not-use"
 """The cluster secret of the test clusters, so helpers can call their workers by address."""
 TEST_SECURITY = ClientSecurity(secret=ClusterSecret(TEST_SECRET.encode()))
+TEST_KV_KEY = ClusterSecret(TEST_SECRET.encode()).key(KV_PURPOSE)
+"""The KV transfer key of the test clusters: a test that plays a prefill worker signs with it."""
+
+
+def cluster_transfer(**options) -> TransferConfig:
+    """A transfer config whose pairs a test cluster's receivers accept (`options` as in
+    `TransferConfig`)."""
+    return TransferConfig(auth_key=TEST_KV_KEY, **options)
 
 
 def start_cluster(model: Path, tmp: Path, prefill: int = 1, decode: int = 1,

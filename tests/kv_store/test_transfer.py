@@ -1,14 +1,19 @@
-"""Transfer engine between real processes on loopback (gloo).
+"""Transfer engine between real processes on loopback, over every transport.
 
 The pytest process hosts one side; spawned "agent" processes host the other (a sender or a
 receiver driven by commands over a pipe, msgpack-encoded). Payloads are generated from the
-request id and layer on both sides, so every comparison is exact and bitwise.
+request id and layer on both sides, so every comparison is exact and bitwise. The whole suite
+runs once per payload transport (`transport`): gloo, and NIXL (the receiver's landing pool
+offered to each sender with `add_peer`, as the workers do with the descriptor they get over
+gRPC), so the state machines, leases and failure handling are checked on both.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 import zlib
@@ -28,6 +33,7 @@ from kv_store.transfer import (
     TransferState,
     wire,
 )
+from kv_store.transfer.nixl_agent import NixlAgent
 
 CTX = mp.get_context("spawn")
 NUM_BLOCKS = 48  # blocks in each cache tensor of a receiver
@@ -72,8 +78,8 @@ class RecordingSink:
             self.events.append(("layer", request_id, layer))
             self._cv.notify_all()
 
-    def on_done(self, request_id, meta):
-        self._record(("done", request_id, meta))
+    def on_done(self, request_id, body):
+        self._record(("done", request_id, body))
 
     def on_failed(self, request_id, reason):
         self._record(("failed", request_id, reason))
@@ -123,9 +129,9 @@ class AgentSink:
             self.devices.add(kv.device.type)
             self.events.append(["layer", request_id, layer, ok])
 
-    def on_done(self, request_id, meta):
+    def on_done(self, request_id, body):
         with self.lock:
-            self.events.append(["done", request_id, meta])
+            self.events.append(["done", request_id, body])
 
     def on_failed(self, request_id, reason):
         with self.lock:
@@ -133,9 +139,11 @@ class AgentSink:
 
 
 class AgentState:
-    """What an agent process holds: senders by config, at most one receiver."""
+    """What an agent process holds: senders by config, at most one receiver, and a NIXL
+    agent when the suite runs over NIXL."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str) -> None:
+        self.nixl = NixlAgent("127.0.0.1") if transport == "nixl" else None
         self.senders: dict[bytes, KVSender] = {}
         self.receiver: KVReceiver | None = None
         self.sink = AgentSink()
@@ -143,34 +151,37 @@ class AgentState:
     def sender(self, config: dict) -> KVSender:
         key = msgpack.packb(sorted(config.items()))
         if key not in self.senders:
-            self.senders[key] = KVSender(TransferConfig(**config))
+            self.senders[key] = KVSender(TransferConfig(**config), nixl=self.nixl)
         return self.senders[key]
 
-    def op_send(self, address, rid, layers, n, dtype, meta=None, config=None, abort=None,
-                finish=True, timeout=20.0):
+    def op_send(self, address, rid, layers, n, dtype, body=None, config=None, abort=None,
+                finish=True, timeout=20.0, lease_s=None, ticket=b"", peer=b""):
         sender = self.sender(config or {})
+        sender.add_peer(address, peer)
         for layer in range(layers):
             sender.send_layer(address, rid, layer, make_blocks(rid, n),
-                              make_kv(rid, layer, n, DTYPES[dtype]))
+                              make_kv(rid, layer, n, DTYPES[dtype]), lease_s=lease_s,
+                              ticket=ticket)
         if abort is not None:
             sender.abort(address, rid, abort)
         if abort is not None or not finish:
             return {"state": sender.state(rid).value}
         try:
-            result = sender.finish(address, rid, meta or {}).result(timeout)
+            result = sender.finish(address, rid, body or b"", ticket=ticket).result(timeout)
         except TransferError as exc:
             return {"state": sender.state(rid).value, "error": str(exc)}
         return {"state": sender.state(rid).value, "layers": result.layers,
                 "bytes": result.bytes_sent}
 
-    def op_send_interleaved(self, address, rids, layers, n, dtype, timeout=20.0):
+    def op_send_interleaved(self, address, rids, layers, n, dtype, timeout=20.0, peer=b""):
         """Several requests in flight on one pair at once, their layers interleaved."""
         sender = self.sender({})
+        sender.add_peer(address, peer)
         for layer in range(layers):
             for rid in rids:
                 sender.send_layer(address, rid, layer, make_blocks(rid, n),
                                   make_kv(rid, layer, n, DTYPES[dtype]))
-        futures = [sender.finish(address, rid, {"first_token": i}) for i, rid in enumerate(rids)]
+        futures = [sender.finish(address, rid, b"first %d" % i) for i, rid in enumerate(rids)]
         results = [f.result(timeout) for f in futures]
         return {"layers": [r.layers for r in results], "bytes": [r.bytes_sent for r in results]}
 
@@ -178,9 +189,10 @@ class AgentState:
         if self.receiver is not None:
             self.receiver.close()
         self.sink = AgentSink()
-        self.receiver = KVReceiver("127.0.0.1", 0, self.sink, TransferConfig(**(config or {})))
+        self.receiver = KVReceiver("127.0.0.1", 0, self.sink, TransferConfig(**(config or {})),
+                                   nixl=self.nixl)
         self.receiver.start()
-        return {"address": self.receiver.address}
+        return {"address": self.receiver.address, "peer": self.receiver.nixl_descriptor}
 
     def op_events(self, kind=None, rid=None, timeout=15.0):
         end = time.monotonic() + timeout
@@ -193,19 +205,32 @@ class AgentState:
                 return {"events": events, "found": False}
             time.sleep(0.01)
 
+    def op_state(self, rid):
+        end = time.monotonic() + 10
+        while True:
+            states = {s.state(rid).value for s in self.senders.values()}
+            if states == {"failed"} or time.monotonic() > end:
+                return {"state": ",".join(sorted(states))}
+            time.sleep(0.02)
+
     def op_receiver_stats(self):
         return {"stats": self.receiver.stats()}
+
+    def op_sender_stats(self):
+        return {"stats": [s.stats() for s in self.senders.values()]}
 
     def close(self):
         for sender in self.senders.values():
             sender.close()
         if self.receiver is not None:
             self.receiver.close()
+        if self.nixl is not None:
+            self.nixl.close()
 
 
-def _agent_main(conn) -> None:
+def _agent_main(conn, transport: str) -> None:
     torch.set_num_threads(1)
-    state = AgentState()
+    state = AgentState(transport)
     while True:
         msg = msgpack.unpackb(conn.recv_bytes())
         if msg["op"] == "stop":
@@ -221,9 +246,9 @@ def _agent_main(conn) -> None:
 class Agent:
     """Handle on a spawned agent process."""
 
-    def __init__(self) -> None:
+    def __init__(self, transport: str) -> None:
         self.conn, child = CTX.Pipe()
-        self.proc = CTX.Process(target=_agent_main, args=(child,), daemon=True)
+        self.proc = CTX.Process(target=_agent_main, args=(child, transport), daemon=True)
         self.proc.start()
         self._lock = threading.Lock()
 
@@ -251,22 +276,54 @@ class Agent:
 
 
 @pytest.fixture(scope="module")
-def agents():
-    """Two long-lived agents, plus two that a test may kill (all spawned in parallel)."""
-    started = {name: Agent() for name in ("a", "b", "doomed_sender", "doomed_receiver")}
+def agents(transport, local_nixl):
+    """Two long-lived agents, plus some that a test may kill (all spawned in parallel)."""
+    started = {name: Agent(transport) for name in ("a", "b", "doomed_sender",
+                                                   "doomed_receiver", "stalled_sender")}
     yield started
     for agent in started.values():
         agent.stop()
 
 
 @pytest.fixture
-def receiver():
+def receiver(local_nixl):
     sink = RecordingSink()
-    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(**FAST))
+    rx = KVReceiver("127.0.0.1", 0, sink, TransferConfig(**FAST), nixl=local_nixl)
     rx.start()
     rx.sink = sink
     yield rx
     rx.close()
+
+
+@pytest.fixture
+def new_sender(local_nixl):
+    """KVSender factory over the suite's transport; `peers` are (address, descriptor)."""
+    made: list[KVSender] = []
+
+    def make(config: TransferConfig, *peers: tuple[str, bytes]) -> KVSender:
+        sender = KVSender(config, nixl=local_nixl)
+        for address, peer in peers:
+            sender.add_peer(address, peer)
+        made.append(sender)
+        return sender
+
+    yield make
+    for sender in made:
+        sender.close()
+
+
+def peer_of(rx) -> tuple[str, bytes]:
+    """(address, landing pool descriptor) of a receiver, for `new_sender`."""
+    t = target(rx)
+    return t["address"], t["peer"]
+
+
+def target(rx) -> dict:
+    """The address and landing pool of a receiver (the in-process fixture or an agent's
+    `receiver_start` answer), as arguments of an agent's send ops."""
+    if isinstance(rx, dict):
+        return {"address": rx["address"], "peer": rx["peer"]}
+    return {"address": rx.address, "peer": rx.nixl_descriptor}
 
 
 def pair_threads() -> list[str]:
@@ -290,12 +347,12 @@ def wait_until(predicate, timeout: float = 10.0) -> bool:
 def test_round_trip_is_bit_exact(agents, receiver, dtype):
     layers, n = 4, 5
     rids = [f"rt-{dtype}-{i}" for i in range(3)]
-    out = agents["a"].call("send_interleaved", address=receiver.address, rids=rids,
+    out = agents["a"].call("send_interleaved", **target(receiver), rids=rids,
                            layers=layers, n=n, dtype=dtype)
     nbytes = layers * n * math.prod(BLOCK_SHAPE) * DTYPES[dtype].itemsize
     assert out == {"layers": [layers] * 3, "bytes": [nbytes] * 3}
     for i, rid in enumerate(rids):
-        assert receiver.sink.wait_for("done", rid)[2] == {"first_token": i}
+        assert receiver.sink.wait_for("done", rid)[2] == b"first %d" % i
         assert receiver.sink.kinds(rid) == ["layer"] * layers + ["done"]
         receiver.sink.assert_exact(rid, layers, n, DTYPES[dtype])
         assert receiver.state(rid) is TransferState.DONE
@@ -306,7 +363,7 @@ def test_round_trip_is_bit_exact(agents, receiver, dtype):
 
 def test_two_senders_into_one_receiver_concurrently(agents, receiver):
     def run(agent: str) -> list[dict]:
-        return [agents[agent].call("send", address=receiver.address, rid=f"two-{agent}-{i}",
+        return [agents[agent].call("send", **target(receiver), rid=f"two-{agent}-{i}",
                                    layers=3, n=6, dtype="bfloat16") for i in range(3)]
 
     with ThreadPoolExecutor(2) as pool:
@@ -319,33 +376,34 @@ def test_two_senders_into_one_receiver_concurrently(agents, receiver):
             receiver.sink.assert_exact(rid, 3, 6, torch.bfloat16)
 
 
-def test_one_sender_to_two_receivers(agents):
-    addresses = {name: agents[name].call("receiver_start", config=FAST)["address"]
-                 for name in ("a", "b")}
-    with KVSender(TransferConfig(**FAST)) as sender:
-        futures = {}
-        for i in range(2):
-            for name, address in addresses.items():  # interleave the two receivers
-                rid = f"fan-{name}-{i}"
-                for layer in range(3):
-                    sender.send_layer(address, rid, layer, make_blocks(rid, 4),
-                                      make_kv(rid, layer, 4, torch.float32))
-                futures[rid] = sender.finish(address, rid, {"i": i})
-        for future in futures.values():
-            assert future.result(20).layers == 3
-        assert sender.stats()["pairs_open"] == 2
+def test_one_sender_to_two_receivers(agents, new_sender, transport):
+    started = {name: agents[name].call("receiver_start", config=FAST) for name in ("a", "b")}
+    addresses = {name: r["address"] for name, r in started.items()}
+    sender = new_sender(TransferConfig(**FAST), *map(peer_of, started.values()))
+    futures = {}
+    for i in range(2):
+        for name, address in addresses.items():  # interleave the two receivers
+            rid = f"fan-{name}-{i}"
+            for layer in range(3):
+                sender.send_layer(address, rid, layer, make_blocks(rid, 4),
+                                  make_kv(rid, layer, 4, torch.float32))
+            futures[rid] = sender.finish(address, rid, bytes([i]))
+    for future in futures.values():
+        assert future.result(20).layers == 3
+    assert sender.stats()["pairs_open"] == 2
+    assert sender.stats()["pairs_nixl"] == (2 if transport == "nixl" else 0)
     for name in ("a", "b"):
         for i in range(2):
             rid = f"fan-{name}-{i}"
             events = agents[name].call("events", kind="done", rid=rid)["events"]
             mine = [e for e in events if e[1] == rid]
             assert mine == [["layer", rid, 0, True], ["layer", rid, 1, True],
-                            ["layer", rid, 2, True], ["done", rid, {"i": i}]]
+                            ["layer", rid, 2, True], ["done", rid, bytes([i])]]
 
 
 def test_killed_sender_fails_its_transfer_on_the_receiver(agents, receiver):
     doomed = agents["doomed_sender"]
-    doomed.call("send", address=receiver.address, rid="orphan", layers=2, n=3,
+    doomed.call("send", **target(receiver), rid="orphan", layers=2, n=3,
                 dtype="float32", finish=False)
     assert wait_until(lambda: receiver.sink.kinds("orphan").count("layer") == 2)
     doomed.kill()
@@ -357,28 +415,30 @@ def test_killed_sender_fails_its_transfer_on_the_receiver(agents, receiver):
     assert wait_until(lambda: not pair_threads()), pair_threads()
 
 
-def test_killed_receiver_fails_the_sender_future(agents):
+def test_killed_receiver_fails_the_sender_future(agents, new_sender):
     doomed = agents["doomed_receiver"]
-    address = doomed.call("receiver_start", config=FAST)["address"]
-    config = TransferConfig(transfer_timeout_s=5.0, **FAST)
-    with KVSender(config) as sender:
-        sender.send_layer(address, "lost", 0, make_blocks("lost", 2),
-                          make_kv("lost", 0, 2, torch.float32))
-        assert doomed.call("events", kind="layer", rid="lost")["found"]
-        doomed.kill()
-        for layer in (1, 2):
-            sender.send_layer(address, "lost", layer, make_blocks("lost", 2),
-                              make_kv("lost", layer, 2, torch.float32))
-        future = sender.finish(address, "lost", {})
-        with pytest.raises(TransferError, match="lost"):
-            future.result(config.transfer_timeout_s + 5)
-        assert sender.state("lost") is TransferState.FAILED
-        assert sender.stats()["transfers_failed"] == 1
+    started = doomed.call("receiver_start", config=FAST)
+    address = started["address"]
+    config = TransferConfig(io_timeout_s=5.0, **FAST)
+    sender = new_sender(config, peer_of(started))
+    sender.send_layer(address, "lost", 0, make_blocks("lost", 2),
+                      make_kv("lost", 0, 2, torch.float32))
+    assert doomed.call("events", kind="layer", rid="lost")["found"]
+    doomed.kill()
+    for layer in (1, 2):
+        sender.send_layer(address, "lost", layer, make_blocks("lost", 2),
+                          make_kv("lost", layer, 2, torch.float32))
+    future = sender.finish(address, "lost", b"")
+    with pytest.raises(TransferError, match="lost"):
+        future.result(config.io_timeout_s + 5)
+    assert sender.state("lost") is TransferState.FAILED
+    assert sender.stats()["transfers_failed"] == 1
+    sender.close()
     assert wait_until(lambda: not pair_threads()), pair_threads()
 
 
 def test_abort_fails_the_request_on_the_receiver_without_done(agents, receiver):
-    out = agents["a"].call("send", address=receiver.address, rid="cancelled", layers=2, n=3,
+    out = agents["a"].call("send", **target(receiver), rid="cancelled", layers=2, n=3,
                            dtype="float32", abort="client cancelled")
     assert out["state"] == "failed"
     reason = receiver.sink.wait_for("failed", "cancelled")[2]
@@ -386,7 +446,7 @@ def test_abort_fails_the_request_on_the_receiver_without_done(agents, receiver):
     time.sleep(0.2)  # a DONE, if one were (wrongly) sent, would have arrived by now
     assert "done" not in receiver.sink.kinds("cancelled")
     # the pair survives an abort: the next request on it completes
-    out = agents["a"].call("send", address=receiver.address, rid="after-abort", layers=1, n=2,
+    out = agents["a"].call("send", **target(receiver), rid="after-abort", layers=1, n=2,
                            dtype="float32")
     assert out["state"] == "done"
 
@@ -398,39 +458,61 @@ def test_sink_error_fails_only_that_request(agents, receiver):
         original(request_id, layer, block_ids, kv)
 
     receiver.sink.on_layer = on_layer
-    agents["a"].call("send", address=receiver.address, rid="bad-sink", layers=3, n=2,
+    agents["a"].call("send", **target(receiver), rid="bad-sink", layers=3, n=2,
                      dtype="float32")
     assert "cache is full" in receiver.sink.wait_for("failed", "bad-sink")[2]
     assert receiver.sink.kinds("bad-sink") == ["layer", "failed"]
-    out = agents["a"].call("send", address=receiver.address, rid="good-sink", layers=3, n=2,
+    out = agents["a"].call("send", **target(receiver), rid="good-sink", layers=3, n=2,
                            dtype="float32")
     assert out["state"] == "done"
     receiver.sink.wait_for("done", "good-sink")
 
 
-def test_lease_expiry_fails_the_transfer_and_tells_the_receiver(agents):
-    address = agents["b"].call("receiver_start", config=FAST)["address"]
-    with KVSender(TransferConfig(lease_s=0.5, **FAST)) as sender:
-        sender.send_layer(address, "slow", 0, make_blocks("slow", 2),
-                          make_kv("slow", 0, 2, torch.float32))
-        assert wait_until(lambda: sender.state("slow") is TransferState.FAILED, 10)
-        with pytest.raises(TransferError, match="lease"):
-            sender.finish(address, "slow", {}).result(1)
-        assert sender.stats()["transfers_active"] == 0
+def test_lease_expiry_fails_the_transfer_and_tells_the_receiver(agents, new_sender):
+    started = agents["b"].call("receiver_start", config=FAST)
+    address = started["address"]
+    sender = new_sender(TransferConfig(lease_s=0.5, **FAST), peer_of(started))
+    sender.send_layer(address, "slow", 0, make_blocks("slow", 2),
+                      make_kv("slow", 0, 2, torch.float32))
+    assert wait_until(lambda: sender.state("slow") is TransferState.FAILED, 10)
+    with pytest.raises(TransferError, match="lease"):
+        sender.finish(address, "slow", b"").result(1)
+    assert sender.stats()["transfers_active"] == 0
     events = agents["b"].call("events", kind="failed", rid="slow")["events"]
     failed = [e for e in events if e[0] == "failed" and e[1] == "slow"]
     assert failed and "lease" in failed[0][2]
 
 
-def test_header_with_unknown_version_closes_the_pair(agents, monkeypatch):
-    address = agents["b"].call("receiver_start", config=FAST)["address"]
-    with KVSender(TransferConfig(transfer_timeout_s=5.0, **FAST)) as sender:
-        sender.send_layer(address, "v", 0, make_blocks("v", 2), make_kv("v", 0, 2, torch.float32))
-        assert agents["b"].call("events", kind="layer", rid="v")["found"]
-        monkeypatch.setattr(wire, "VERSION", wire.VERSION + 98)
-        sender.send_layer(address, "v", 1, make_blocks("v", 2), make_kv("v", 1, 2, torch.float32))
-        with pytest.raises(TransferError):
-            sender.finish(address, "v", {}).result(10)
+def test_a_stalled_sender_loses_its_request_on_the_receiver_when_the_lease_ends(agents,
+                                                                              receiver):
+    stalled = agents["stalled_sender"]
+    stalled.call("send", **target(receiver), rid="stall", layers=1, n=2,
+                 dtype="float32", finish=False, lease_s=1.0)
+    receiver.sink.wait_for("layer", "stall")
+    os.kill(stalled.proc.pid, signal.SIGSTOP)  # it can neither finish nor abort now
+    try:
+        reason = receiver.sink.wait_for("failed", "stall", timeout=10.0)[2]
+    finally:
+        os.kill(stalled.proc.pid, signal.SIGCONT)
+    assert "lease" in reason and receiver.state("stall") is TransferState.FAILED
+    # Back, the sender's own lease has run out too: its abort is dropped as late.
+    assert stalled.call("state", rid="stall")["state"] == "failed"
+    assert receiver.sink.kinds("stall") == ["layer", "failed"]
+
+
+def test_header_with_unknown_version_closes_the_pair(agents, monkeypatch, new_sender):
+    started = agents["b"].call("receiver_start", config=FAST)
+    address = started["address"]
+    sender = new_sender(TransferConfig(io_timeout_s=5.0, **FAST), peer_of(started))
+    sender.send_layer(address, "v", 0, make_blocks("v", 2), make_kv("v", 0, 2, torch.float32))
+    assert agents["b"].call("events", kind="layer", rid="v")["found"]
+    real = wire.encode_header  # from now on the sender writes another version (and still
+    monkeypatch.setattr(wire, "encode_header", lambda h: msgpack.packb(  # reads its own)
+        {**msgpack.unpackb(real(h)), "v": wire.VERSION + 98}, use_bin_type=True))
+    sender.send_layer(address, "v", 1, make_blocks("v", 2), make_kv("v", 1, 2, torch.float32))
+    with pytest.raises(TransferError):
+        sender.finish(address, "v", b"").result(10)
+    sender.close()
     events = agents["b"].call("events", kind="failed", rid="v")["events"]
     failed = [e for e in events if e[0] == "failed" and e[1] == "v"]
     assert failed and "version" in failed[0][2]
@@ -451,38 +533,42 @@ def test_hello_with_unknown_version_is_refused(receiver):
     assert receiver.stats()["pairs_open"] == 0
 
 
-def test_pair_cap_evicts_lru_idle_pair_and_idle_pairs_close(agents):
-    addr_a = agents["a"].call("receiver_start", config=FAST)["address"]
-    addr_b = agents["b"].call("receiver_start", config=FAST)["address"]
+def test_pair_cap_evicts_lru_idle_pair_and_idle_pairs_close(agents, new_sender):
+    rx_a = agents["a"].call("receiver_start", config=FAST)
+    rx_b = agents["b"].call("receiver_start", config=FAST)
+    addr_a, addr_b = rx_a["address"], rx_b["address"]
 
     def send(sender, address, rid, finish=True):
         sender.send_layer(address, rid, 0, make_blocks(rid, 2), make_kv(rid, 0, 2, torch.float32))
-        return sender.finish(address, rid, {}) if finish else None
+        return sender.finish(address, rid, b"") if finish else None
 
-    with KVSender(TransferConfig(max_pairs=1, idle_timeout_s=0.5, **FAST)) as sender:
-        send(sender, addr_a, "cap-1").result(10)
-        send(sender, addr_b, "cap-2").result(10)  # evicts the idle pair to A
-        assert sender.stats()["pairs_open"] == 1
-        assert wait_until(lambda: agents["a"].call("receiver_stats")["stats"]["pairs_open"] == 0)
-        send(sender, addr_b, "cap-busy", finish=False)  # the only pair is now busy
-        with pytest.raises(TransferError, match="max_pairs"):
-            send(sender, addr_a, "cap-3").result(10)
-        sender.abort(addr_b, "cap-busy", "test")
-        assert wait_until(lambda: sender.stats()["pairs_open"] == 0)  # idle timeout
-        assert wait_until(lambda: agents["b"].call("receiver_stats")["stats"]["pairs_open"] == 0)
-        assert send(sender, addr_a, "cap-4").result(10).layers == 1  # a fresh pair
+    sender = new_sender(TransferConfig(max_pairs=1, idle_timeout_s=0.5, **FAST),
+                        peer_of(rx_a), peer_of(rx_b))
+    send(sender, addr_a, "cap-1").result(10)
+    send(sender, addr_b, "cap-2").result(10)  # evicts the idle pair to A
+    assert sender.stats()["pairs_open"] == 1
+    assert wait_until(lambda: agents["a"].call("receiver_stats")["stats"]["pairs_open"] == 0)
+    send(sender, addr_b, "cap-busy", finish=False)  # the only pair is now busy
+    with pytest.raises(TransferError, match="max_pairs"):
+        send(sender, addr_a, "cap-3").result(10)
+    sender.abort(addr_b, "cap-busy", "test")
+    assert wait_until(lambda: sender.stats()["pairs_open"] == 0)  # idle timeout
+    assert wait_until(lambda: agents["b"].call("receiver_stats")["stats"]["pairs_open"] == 0)
+    assert send(sender, addr_a, "cap-4").result(10).layers == 1  # a fresh pair
+    sender.close()
     for agent in ("a", "b"):
         events = agents[agent].call("events")["events"]
         failed = [e for e in events if e[0] == "failed"]
         assert failed == ([["failed", "cap-busy", "sender aborted: test"]] if agent == "b" else [])
 
 
-def test_receiver_at_pair_cap_asks_its_lru_idle_pair_to_close(agents):
+def test_receiver_at_pair_cap_asks_its_lru_idle_pair_to_close(agents, local_nixl):
     sink = RecordingSink()
-    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(max_pairs=1, **FAST)) as rx:
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(max_pairs=1, **FAST),
+                    nixl=local_nixl) as rx:
         rx.start()
         for i, agent in enumerate(["a", "b", "a"]):  # each new sender evicts the previous pair
-            out = agents[agent].call("send", address=rx.address, rid=f"rcap-{i}", layers=2, n=2,
+            out = agents[agent].call("send", **target(rx), rid=f"rcap-{i}", layers=2, n=2,
                                      dtype="float32")
             assert out["state"] == "done", out
             sink.wait_for("done", f"rcap-{i}")
@@ -496,6 +582,48 @@ def test_expected_request_that_never_arrives_fails(receiver):
     assert receiver.state("never") is TransferState.PENDING
     assert "timed out" in receiver.sink.wait_for("failed", "never", timeout=5.0)[2]
     assert receiver.state("never") is TransferState.FAILED
+
+
+# ---- what only the NIXL path does (run once per transport: trivially true over gloo) ---------
+
+SLOTS = {"nixl_pool_bytes": 3 * 4096, "nixl_slot_bytes": 4096, "nixl_slots_per_pair": 2}
+"""A tiny landing pool: 3 slots of 4 KiB (one block of BLOCK_SHAPE fp32 is 2 KiB)."""
+
+
+def test_a_layer_larger_than_a_slot_lands_in_chunks_of_whole_blocks(agents, local_nixl):
+    sink = RecordingSink()
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(**SLOTS, **FAST),
+                    nixl=local_nixl) as rx:
+        rx.start()
+        agents["a"].call("send", **target(rx), rid="chunky", layers=2, n=7, dtype="float32")
+        sink.wait_for("done", "chunky")
+        sink.assert_exact("chunky", 2, 7, torch.float32)  # 7 blocks: 4 parts of <= 2 blocks
+        calls = sink.kinds("chunky").count("layer")
+        assert calls == (8 if local_nixl is not None else 2)
+        if local_nixl is not None:
+            assert rx.stats()["nixl_slots_free"] == 1  # the pair's 2 granted slots are held
+
+
+def test_a_pair_the_pool_has_no_slots_for_sends_inline(agents, local_nixl):
+    sink = RecordingSink()
+    one_pair = {**SLOTS, "nixl_slots_per_pair": 3}  # the first pair takes the whole pool
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(**one_pair, **FAST),
+                    nixl=local_nixl) as rx:
+        rx.start()
+        for agent in ("a", "b"):
+            agents[agent].call("send", **target(rx), rid=f"pool-{agent}", layers=2, n=3,
+                               dtype="bfloat16")
+            sink.wait_for("done", f"pool-{agent}")
+            sink.assert_exact(f"pool-{agent}", 2, 3, torch.bfloat16)
+        assert rx.stats()["pairs_nixl"] == (1 if local_nixl is not None else 0)
+        assert rx.stats()["transfers_failed"] == 0
+
+
+def test_a_malformed_landing_pool_descriptor_is_refused(new_sender):
+    sender = new_sender(TransferConfig(**FAST))
+    with pytest.raises(ValueError, match="NIXL descriptor"):
+        sender.add_peer("127.0.0.1:1", b"\x81\xa1v\x09")
+    sender.add_peer("127.0.0.1:1", b"")  # none: gloo to that receiver
 
 
 # ---- NCCL (needs two CUDA devices) -----------------------------------------------------------
@@ -526,7 +654,7 @@ def test_cuda_tensors_travel_over_nccl():
             for layer in range(3):
                 kv = make_kv("gpu", layer, 4, torch.bfloat16).cuda(0)
                 sender.send_layer(address, "gpu", layer, make_blocks("gpu", 4), kv)
-            assert sender.finish(address, "gpu", {}).result(60).layers == 3
+            assert sender.finish(address, "gpu", b"").result(60).layers == 3
         conn.send_bytes(b"report")
         assert conn.poll(30)
         events, devices = msgpack.unpackb(conn.recv_bytes())

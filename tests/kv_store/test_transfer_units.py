@@ -3,6 +3,8 @@ argument validation."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import msgpack
 import pytest
 import torch
@@ -11,6 +13,7 @@ from kv_store.transfer import (
     KVSender,
     TransferConfig,
     TransferState,
+    auth,
     rendezvous,
     state,
     wire,
@@ -22,13 +25,34 @@ ADDRESS = "127.0.0.1:1"
 
 @pytest.mark.parametrize("header", [
     Header(Kind.LAYER, rid="r1", layer=3, blocks=(7, 0, 12), shape=(3, 2, 4, 16, 8),
-           dtype="bfloat16"),
-    Header(Kind.DONE, rid="r1", meta={"first_token": 17, "logprob": -0.5}),
+           dtype="bfloat16", lease_s=2.5),
+    Header(Kind.DONE, rid="r1", body=b"\x81\xa1v\x01", lease_s=0.25),
     Header(Kind.ABORT, rid="r1", reason="client went away"),
     Header(Kind.CLOSE, reason="idle"),
+    Header(Kind.DONE, rid="r1", body=b"x", lease_s=1.0, tag=b"t" * 32),
 ])
 def test_header_round_trips(header):
     assert wire.decode_header(wire.encode_header(header)) == header
+
+
+def test_a_ticket_tag_covers_every_field_and_only_its_ticket_opens_it():
+    ticket, other = auth.new_ticket(), auth.new_ticket()
+    layer = auth.tagged(Header(Kind.LAYER, rid="r1", layer=3, blocks=(7, 0), shape=(2, 4),
+                               dtype="uint8", head_start=2, lease_s=2.5), ticket)
+    decoded = wire.decode_header(wire.encode_header(layer))
+    assert auth.tag_matches(ticket, decoded)
+    assert not auth.tag_matches(other, decoded)  # another transfer's ticket
+    assert not auth.tag_matches(b"", decoded)
+    for change in ({"rid": "r2"}, {"layer": 4}, {"blocks": (7, 1)}, {"head_start": 0},
+                   {"shape": (2, 5)}, {"dtype": "float32"}, {"lease_s": 9.0}):
+        assert not auth.tag_matches(ticket, dataclasses.replace(decoded, **change)), change
+    done = auth.tagged(Header(Kind.DONE, rid="r1", body=b"first 7", lease_s=1.0), ticket)
+    assert auth.tag_matches(ticket, done)
+    assert not auth.tag_matches(ticket, dataclasses.replace(done, body=b"first 8"))
+    assert not auth.tag_matches(ticket, dataclasses.replace(done, kind=Kind.ABORT))
+    assert auth.tagged(done, b"") is done  # an unbound transfer: untagged
+    with pytest.raises(ValueError, match="ticket"):
+        auth.check_ticket(b"short")
 
 
 def test_every_header_carries_the_version():
@@ -43,16 +67,24 @@ def test_foreign_version_is_rejected_naming_both_versions():
 
 
 @pytest.mark.parametrize("doc, field", [
-    ({"kind": "layer", "rid": "r", "layer": -1, "blocks": [1], "shape": [1], "dtype": "uint8"},
-     "layer"),
+    ({"kind": "layer", "rid": "r", "layer": -1, "blocks": [1], "shape": [1], "dtype": "uint8",
+      "lease_s": 1.0}, "layer"),
+    ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1], "shape": [1], "dtype": "uint8"},
+     "lease_s"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1, 2], "shape": [1, 4],
       "dtype": "uint8"}, "shape"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [1], "shape": [1], "dtype": "int64"},
      "dtype"),
     ({"kind": "layer", "rid": "r", "layer": 0, "blocks": [-3], "shape": [1], "dtype": "uint8"},
      "blocks"),
-    ({"kind": "done", "rid": "r", "meta": [1, 2]}, "meta"),
+    ({"kind": "done", "rid": "r", "body": [1, 2], "lease_s": 1.0}, "body"),
+    ({"kind": "done", "rid": "r", "body": b"", "lease_s": 1}, "lease_s"),
+    ({"kind": "done", "rid": "r", "body": b"x" * (wire.MAX_BODY_BYTES + 1), "lease_s": 1.0},
+     "body"),
     ({"kind": "abort", "rid": "", "reason": "x"}, "rid"),
+    ({"kind": "abort", "rid": "r", "reason": "x", "tag": "t"}, "tag"),
+    ({"kind": "abort", "rid": "r", "reason": "x", "tag": b"t" * (wire.MAX_TAG_BYTES + 1)},
+     "tag"),
     ({"kind": "teleport", "rid": "r"}, "kind"),
 ])
 def test_malformed_headers_are_rejected_naming_the_field(doc, field):
@@ -109,7 +141,7 @@ def test_history_forgets_the_oldest_first():
 @pytest.mark.parametrize("kwargs, field", [
     ({"backend": "mpi"}, "backend"),
     ({"lease_s": 0}, "lease_s"),
-    ({"transfer_timeout_s": -1.0}, "transfer_timeout_s"),
+    ({"io_timeout_s": -1.0}, "io_timeout_s"),
     ({"max_pairs": 0}, "max_pairs"),
     ({"idle_timeout_s": "5"}, "idle_timeout_s"),
     ({"cuda_device": -1}, "cuda_device"),
@@ -151,9 +183,13 @@ def test_send_layer_validates_its_arguments(sender, args, field):
         sender.state("r")  # nothing was recorded
 
 
-def test_finish_requires_msgpack_meta(sender):
-    with pytest.raises(ValueError, match="meta"):
-        sender.finish(ADDRESS, "r", {"tensor": torch.zeros(1)})
+def test_finish_requires_a_bytes_body_a_sane_lease_and_a_ticket_sized_ticket(sender):
+    with pytest.raises(ValueError, match="body"):
+        sender.finish(ADDRESS, "r", {"token_id": 1})
+    with pytest.raises(ValueError, match="lease_s"):
+        sender.finish(ADDRESS, "r", b"", lease_s=float("nan"))
+    with pytest.raises(ValueError, match="ticket"):
+        sender.finish(ADDRESS, "r", b"", ticket=b"not sixteen")
 
 
 def test_closed_sender_refuses_work():

@@ -29,7 +29,7 @@ class ScriptedFlow:
         self.script = script
         self.rids: list[str] = []
 
-    async def run(self, rid, req, timeout_s, timings, decode_allowed=None):
+    async def run(self, rid, req, timeout_s, timings, n=1, decode_allowed=None):
         self.rids.append(rid)
         for item in self.script:
             if isinstance(item, Exception):

@@ -73,12 +73,15 @@ def test_prefill_counters_become_transfer_and_prefix_metrics():
 
 def test_decode_counters_and_a_dead_engine():
     counters = {"local_prefills": 1, "remote_prefills": 4, "prefix_hit_blocks": 3,
-                "kv_exposed_s": 0.04, "kv_transfers": 4}
+                "kv_exposed_s": 0.04, "kv_transfers": 4, "kv_pairs_refused": 2,
+                "kv_frames_refused": 5}
     reg = scrape(WorkerSnapshot(None, counters, 9), role="decode")
     assert val(reg, "pdserve_engine_up", "decode") == 0
     assert val(reg, "pdserve_queue_depth", "decode", state="waiting") is None
     assert val(reg, "pdserve_decode_admissions_total", "decode", prefill="remote") == 4
     assert val(reg, "pdserve_kv_exposed_seconds_count", "decode") == 4
+    assert val(reg, "pdserve_kv_refused_total", "decode", what="frame") == 5
+    assert val(reg, "pdserve_kv_refused_total", "decode", what="pair") == 2
     assert val(reg, "pdserve_prefix_hit_ratio", "decode") is None  # no prompt counter here
     assert val(reg, "pdserve_kv_transfer_bytes_total", "decode") is None
 

@@ -1,23 +1,38 @@
-"""OpenAI request bodies -> typed requests: accepted shapes, defaults, and 400s naming the field."""
+"""OpenAI request bodies -> typed requests: accepted shapes, defaults, tolerance of unknown
+fields, vLLM's extras, and 400s naming the field."""
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
 
+from pdserve.engine.structured import ConstraintKind
 from router.openai.errors import ApiError, RequestError
-from router.openai.schemas import ServedModel, parse_chat, parse_completion, parse_json_body
-from router.validation import check_prompt_ids
+from router.openai.schemas import (
+    IgnoredFields,
+    ServedModel,
+    check_prompt_ids,
+    parse_chat,
+    parse_completion,
+    parse_json_body,
+)
+from router.openai.tools import ToolConfig, ToolMode
 
 MODEL = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
 USER = [{"role": "user", "content": "hi"}]
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+AUTO = ToolConfig(parser="hermes", auto=True)
 
 
 def completion(**fields):
     return parse_completion({"model": "tiny", "prompt": "hello", **fields}, MODEL)
 
 
-def chat(**fields):
-    return parse_chat({"model": "tiny", "messages": USER, **fields}, MODEL)
+def chat(tools_config=None, **fields):
+    return parse_chat({"model": "tiny", "messages": USER, **fields}, MODEL, tools_config)
 
 
 def param_of(fn, **fields) -> str | None:
@@ -28,32 +43,36 @@ def param_of(fn, **fields) -> str | None:
 
 def test_completion_defaults_follow_openai():
     req = completion()
-    assert req.prompt == "hello"
-    assert (req.stream, req.include_usage) == (False, False)
+    assert req.prompts == ("hello",)
+    assert (req.out.stream, req.out.stream_options.include_usage, req.out.n) == (False, False, 1)
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.logprobs, p.stop) == (16, 1.0, 1.0, None, ())
+    assert (req.best_of, req.add_special_tokens, req.generate) == (1, True, True)
 
 
 def test_completion_sampling_fields_reach_sampling_params():
     req = completion(max_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1,
                      presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
                      seed=42, stop="\n", ignore_eos=True, min_tokens=2, logprobs=3,
-                     stream=True, stream_options={"include_usage": True}, user="u", n=1)
+                     stream=True, stream_options={"include_usage": True}, user="u",
+                     logit_bias={"7": 2.5}, prompt_logprobs=1)
     p = req.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p) == (7, 0.5, 0.9, 5, 0.1)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.2)
     assert (p.seed, p.stop, p.ignore_eos, p.min_tokens, p.logprobs) == (42, ("\n",), True, 2, 3)
-    assert (req.stream, req.include_usage) == (True, True)
+    assert (p.logit_bias, p.prompt_logprobs) == (((7, 2.5),), 1)
+    assert (req.out.stream, req.out.stream_options.include_usage) == (True, True)
 
 
 @pytest.mark.parametrize("prompt, expected", [
-    ("text", "text"), ([5, 6, 7], (5, 6, 7)), (["text"], "text"), ([[5, 6]], (5, 6)),
+    ("text", ("text",)), ([5, 6, 7], ((5, 6, 7),)), (["text"], ("text",)),
+    ([[5, 6]], ((5, 6),)), (["a", "b"], ("a", "b")), ([[1], [2, 3]], ((1,), (2, 3))),
 ])
 def test_completion_prompt_forms(prompt, expected):
-    assert completion(prompt=prompt).prompt == expected
+    assert completion(prompt=prompt).prompts == expected
 
 
-@pytest.mark.parametrize("prompt", ["", ["a", "b"], [[1], [2]], [1, "a"], [True, 2], 5, {}])
+@pytest.mark.parametrize("prompt", ["", [], ["a", ""], [1, "a"], [True, 2], 5, {}, [[]]])
 def test_bad_prompts_name_the_prompt(prompt):
     assert param_of(completion, prompt=prompt) == "prompt"
 
@@ -71,23 +90,77 @@ def test_missing_prompt_is_an_error():
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"max_tokens": 10**12}, "max_tokens"),
     ({"min_tokens": 20}, "min_tokens"),
-    ({"seed": -1}, "seed"),
+    ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
     ({"top_k": 2**40}, "top_k"),
     ({"stop": ["a", 3]}, "stop"),
     ({"stop_token_ids": [600]}, "stop_token_ids"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"presence_penalty": 3.0}, "presence_penalty"),
-    ({"n": 2}, "n"),
-    ({"echo": True}, "echo"),
-    ({"best_of": 3}, "best_of"),
-    ({"logit_bias": {"5": 1}}, "logit_bias"),
+    ({"n": 0}, "n"),
+    ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"512": 1}}, "logit_bias"),
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
     ({"stream": "yes"}, "stream"),
-    ({"stream_options": {"include_usage": 1}}, "stream_options"),
-    ({"functions_please": 1}, "functions_please"),
+    ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_fields_are_named(fields, param):
     assert param_of(completion, **fields) == param
+
+
+def test_range_errors_use_pydantic_words():
+    with pytest.raises(RequestError, match="less_than_equal"):
+        completion(seed=2**63)
+    with pytest.raises(RequestError, match="greater_than_equal"):
+        completion(seed=-(2**63) - 1)
+
+
+def test_logit_bias_errors_name_every_bad_key_and_the_vocabulary():
+    with pytest.raises(RequestError, match="bad1.*bad2"):
+        completion(logit_bias={"bad1": 1, "bad2": 2})
+    with pytest.raises(RequestError, match=r"\[600\].*512"):
+        completion(logit_bias={"600": 1})
+
+
+def test_unknown_fields_are_ignored_and_logged_once(caplog):
+    ignored = IgnoredFields(logging.getLogger("test.ignored"))
+    body = {"model": "tiny", "prompt": "x", "frobnicate": 1, "service_tier": "auto"}
+    with caplog.at_level(logging.WARNING, "test.ignored"):
+        parse_completion(body, MODEL, ignored)
+        parse_completion(body, MODEL, ignored)
+    (record,) = caplog.records
+    assert "frobnicate" in record.message and "service_tier" in record.message
+
+
+def test_vllm_extras_are_accepted_and_honoured():
+    req = completion(skip_special_tokens=False, return_token_ids=True,
+                     return_tokens_as_token_ids=True, truncate_prompt_tokens=4,
+                     request_id="abc", use_beam_search=False, add_special_tokens=False,
+                     spaces_between_special_tokens=True, length_penalty=1.0)
+    assert (req.out.skip_special_tokens, req.out.return_token_ids) == (False, True)
+    assert (req.out.tokens_as_ids, req.truncate_prompt_tokens) == (True, 4)
+    assert (req.out.request_id, req.add_special_tokens) == ("abc", False)
+
+
+def test_n_best_of_and_echo():
+    req = completion(n=3, seed=5)
+    assert (req.out.n, req.best_of, req.params.seed) == (3, 3, 5)
+    best = completion(n=2, best_of=4)
+    assert best.best_of == 4 and best.params.logprobs == 0  # ranked by logprob
+    echo = completion(echo=True, logprobs=2, max_tokens=0)
+    assert echo.out.echo and not echo.generate and echo.params.max_tokens == 1
+    assert echo.params.prompt_logprobs == 2
+
+
+def test_negative_seeds_fold_into_the_engine_range():
+    assert completion(seed=-1).params.seed == 2**63 - 1
 
 
 def test_nulls_count_as_absent():
@@ -106,6 +179,8 @@ def test_chat_defaults_run_to_the_context_end():
     assert req.messages == ({"role": "user", "content": "hi"},)
     assert req.params.max_tokens == MODEL.max_model_len
     assert req.logprobs is False and req.params.logprobs is None
+    assert req.template.add_generation_prompt and not req.template.continue_final_message
+    assert req.tools.mode is ToolMode.NONE
 
 
 def test_chat_max_completion_tokens_wins_and_is_named():
@@ -123,30 +198,88 @@ def test_chat_logprobs_take_top_logprobs():
     assert param_of(chat, logprobs=3) == "logprobs"
 
 
-def test_chat_content_parts_are_joined():
+def test_chat_content_parts_roles_and_extra_keys():
     parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
     req = chat(messages=[{"role": "system", "content": "s"},
-                         {"role": "user", "content": parts, "name": "bob"},
+                         {"role": "user", "content": parts, "name": "bob", "extra": 1},
+                         {"role": "my-custom-role", "content": "c"},
                          {"role": "assistant", "content": None}])
     assert req.messages == ({"role": "system", "content": "s"},
                             {"role": "user", "content": "a\nb", "name": "bob"},
+                            {"role": "my-custom-role", "content": "c"},
                             {"role": "assistant", "content": ""})
 
 
 @pytest.mark.parametrize("messages", [
-    [], "hi", [{"role": "wizard", "content": "x"}], [{"content": "x"}],
+    [], "hi", [{"content": "x"}],
     [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-    [{"role": "user", "content": "x", "tool_calls": []}], [5],
+    [{"role": "assistant", "content": "x", "tool_calls": [{"id": "1"}]}], [5],
 ])
 def test_bad_messages_name_messages(messages):
     assert param_of(chat, messages=messages) == "messages"
 
 
-def test_chat_refuses_what_it_cannot_honour():
+def test_chat_template_options():
+    req = chat(add_generation_prompt=False, continue_final_message=True,
+               chat_template_kwargs={"enable_thinking": False}, add_special_tokens=True)
+    t = req.template
+    assert (t.add_generation_prompt, t.continue_final_message, t.add_special_tokens) == (
+        False, True, True)
+    assert t.kwargs == {"enable_thinking": False}
+    assert param_of(chat, continue_final_message=True) == "continue_final_message"
+    assert param_of(chat, chat_template="{{ x }}") == "chat_template"
+
+
+def test_response_format_and_structured_outputs():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    js = chat(response_format={"type": "json_schema",
+                               "json_schema": {"name": "x", "schema": schema, "strict": True}})
+    assert js.params.structured.kind is ConstraintKind.JSON_SCHEMA
+    assert json.loads(js.params.structured.spec) == schema
+    assert chat(response_format={"type": "json_object"}).params.structured.kind is \
+        ConstraintKind.JSON_OBJECT
+    assert chat(response_format={"type": "text"}).params.structured is None
+    for field, value, kind in [("regex", "a+", ConstraintKind.REGEX),
+                               ("choice", ["a", "b"], ConstraintKind.CHOICE),
+                               ("grammar", 'root ::= "x"', ConstraintKind.GRAMMAR),
+                               ("json", schema, ConstraintKind.JSON_SCHEMA)]:
+        assert completion(structured_outputs={field: value}).params.structured.kind is kind
+    assert completion(guided_regex="a+").params.structured.kind is ConstraintKind.REGEX
+    assert completion(guided_choice=["x"]).params.structured.choices == ("x",)
+
+
+@pytest.mark.parametrize("fields", [
+    {"structured_outputs": {"regex": {"1": "Python"}}},
+    {"structured_outputs": {"regex": "a", "json": {}}},
+    {"structured_outputs": {"choice": []}},
+    {"response_format": {"type": "xml"}},
+    {"response_format": {"type": "json_schema"}},
+    {"guided_json": "{not json"},
+    {"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}},
+])
+def test_malformed_constraints_are_400s(fields):
+    with pytest.raises(RequestError):
+        completion(**fields)
+
+
+def test_tools_and_tool_choice():
+    assert chat(tools=[WEATHER], tool_choice="none").tools.mode is ToolMode.NONE
+    required = chat(tools=[WEATHER], tool_choice="required")
+    assert required.tools.mode is ToolMode.REQUIRED
+    assert json.loads(required.params.structured.spec)["type"] == "array"
+    named = chat(tools=[WEATHER], tool_choice={"type": "function",
+                                               "function": {"name": "get_weather"}})
+    assert named.tools.mode is ToolMode.NAMED
+    assert json.loads(named.params.structured.spec)["required"] == ["city"]
+    assert chat(AUTO, tools=[WEATHER]).tools.mode is ToolMode.AUTO  # the default with tools
+    assert param_of(chat, tools=[WEATHER]) == "tool_choice"  # auto needs the server flags
+    assert param_of(chat, tool_choice="required") == "tool_choice"  # no tools
+    assert param_of(chat, tools=[WEATHER], tool_choice={"type": "function",
+                                                        "function": {"name": "nope"}}) == \
+        "tool_choice"
     assert param_of(chat, tools=[{"type": "function"}]) == "tools"
-    assert param_of(chat, tool_choice="auto") == "tool_choice"
-    assert param_of(chat, response_format={"type": "json_object"}) == "response_format"
-    assert chat(response_format={"type": "text"}, tools=[], tool_choice="none").params
+    assert param_of(chat, tools=[WEATHER], tool_choice="required",
+                    response_format={"type": "json_object"}) == "tool_choice"
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -163,10 +296,12 @@ def test_a_body_that_is_not_an_object_is_refused():
         parse_completion([1, 2], MODEL)
 
 
-@pytest.mark.parametrize("ids, match", [
-    ([], "empty"), ([1, 512], "outside"), ([-1], "outside"), ([3] * 128, "context"),
+@pytest.mark.parametrize("ids, max_tokens, match", [
+    ([], None, "empty"), ([1, 512], None, "out of vocabulary"),
+    ([-1], None, "out of vocabulary"), ([3] * 128, None, "context"),
+    ([3] * 100, 50, "maximum context length is 128"),
 ])
-def test_prompt_ids_must_fit_the_model(ids, match):
+def test_prompt_ids_must_fit_the_model(ids, max_tokens, match):
     with pytest.raises(RequestError, match=match) as err:
-        check_prompt_ids(ids, MODEL.limits, "prompt")
+        check_prompt_ids(ids, MODEL, "prompt", max_tokens)
     assert err.value.param == "prompt"

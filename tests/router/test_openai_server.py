@@ -4,6 +4,7 @@ mapping, limits, and cancellation when the client goes away."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import aiohttp
@@ -19,8 +20,7 @@ from router.tokenize import TokenizerPool
 
 MODEL = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
 HANG = object()  # script item: wait until cancelled
-DONE_CHUNK = OutputChunk([], "", [], "length", Usage(3, 2, 0))
-SCRIPT = [OutputChunk([75], "he"), OutputChunk([76], "llo"), DONE_CHUNK]
+SCRIPT = [OutputChunk([75], "he"), OutputChunk([76], "llo", [], "length", Usage(3, 2, 0))]
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +39,18 @@ class ScriptedFrontend:
         self.requests = []
         self.closed = 0  # generators that ran their cleanup
 
-    async def generate(self, req, timeout_s):
-        self.requests.append(req)
+    async def generate_choices(self, reqs, n, timeout_s):
+        """Every choice plays the script in turn (its chunks tagged with the choice)."""
+        self.requests.extend(reqs)
+        self.choices = n
         try:
-            for item in self.script:
-                if item is HANG:
-                    await asyncio.Event().wait()
-                if isinstance(item, Exception):
-                    raise item
-                yield item
+            for index in range(len(reqs) * n):
+                for item in self.script:
+                    if item is HANG:
+                        await asyncio.Event().wait()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield dataclasses.replace(item, index=index)
         finally:
             self.closed += 1
 
@@ -91,7 +94,8 @@ def test_completion_json(tokenizer):
     assert status == 200 and ctype.startswith("application/json")
     assert out["id"].startswith("cmpl-") and out["object"] == "text_completion"
     assert out["choices"] == [{"index": 0, "text": "hello", "logprobs": None,
-                               "finish_reason": "length"}]
+                               "finish_reason": "length", "stop_reason": None,
+                               "prompt_logprobs": None}]
     assert out["usage"]["total_tokens"] == 5
     (req,) = fe.requests
     assert req.prompt_token_ids == tokenizer.encode("hello world")
@@ -106,8 +110,8 @@ def test_completion_stream_with_usage(tokenizer):
         s, f"{u}/v1/completions", body))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["he", "llo", ""]
-    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, None, "length"]
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["he", "llo"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None, "length"]
     assert all(c["usage"] is None for c in chunks[:-1])
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
     assert len({c["id"] for c in chunks}) == 1
@@ -167,14 +171,18 @@ def test_http_level_errors_are_openai_shaped(tokenizer):
             got.append((r.status, await r.json()))
         async with s.get(f"{u}/v1/completions") as r:
             got.append((r.status, await r.json()))
-        async with s.post(f"{u}/v1/completions", data=b"x" * 5000) as r:
+        async with s.post(f"{u}/v1/completions", data=b"x" * 5000,
+                          headers={"Content-Type": "application/json"}) as r:
             got.append((r.status, await r.json()))
-        async with s.post(f"{u}/v1/completions", data=b"{not json") as r:
+        async with s.post(f"{u}/v1/completions", data=b"{not json",
+                          headers={"Content-Type": "application/json"}) as r:
+            got.append((r.status, await r.json()))
+        async with s.post(f"{u}/v1/completions", data={"prompt": "x"}) as r:  # a form
             got.append((r.status, await r.json()))
         return got
 
     got, _ = serve(tokenizer, scenario=scenario)
-    assert [s for s, _ in got] == [404, 405, 413, 400]
+    assert [s for s, _ in got] == [404, 405, 413, 400, 415]
     assert all(set(b["error"]) == {"message", "type", "param", "code"} for _, b in got)
 
 
@@ -339,3 +347,68 @@ def test_malformed_http_is_an_openai_shaped_400(tokenizer, raw):
     head, body = data.split(b"\r\n\r\n", 1)
     assert head.split(b" ")[1] == b"400"
     assert json.loads(body)["error"]["type"] == "invalid_request_error" and fe.requests == []
+def test_n_choices_and_batches_carry_their_index(tokenizer):
+    body = {"model": "tiny", "prompt": ["a", "b"], "n": 2, "seed": 3}
+    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body))
+    assert status == 200 and fe.choices == 2
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert [r.prompt_token_ids for r in fe.requests] == [tokenizer.encode("a"),
+                                                         tokenizer.encode("b")]
+    assert out["usage"]["completion_tokens"] == 8 and out["usage"]["prompt_tokens"] == 6
+
+
+def test_stream_interleaves_choices_and_counts_usage_continuously(tokenizer):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2,
+            "stream": True, "stream_options": {"include_usage": True,
+                                               "continuous_usage_stats": True}}
+    events, _ = serve(tokenizer, scenario=lambda s, u, f: post_stream(
+        s, f"{u}/v1/chat/completions", body))
+    chunks = [json.loads(e) for e in events[:-1]]
+    heads = [c["choices"][0] for c in chunks[:2]]
+    assert [h["index"] for h in heads] == [0, 1] and all(h["delta"]["role"] for h in heads)
+    assert all(c["usage"] is not None for c in chunks)
+    by_index = {}
+    for c in chunks[2:-1]:
+        by_index.setdefault(c["choices"][0]["index"], []).append(c["usage"]["completion_tokens"])
+    assert by_index == {0: [1, 2], 1: [1, 2]}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_tokenize_detokenize_version_and_models(tokenizer):
+    async def scenario(s, u, f):
+        got = {}
+        got["tok"] = await post(s, f"{u}/tokenize", {"model": "tiny", "prompt": "hello",
+                                                     "return_token_strs": True})
+        got["chat"] = await post(s, f"{u}/tokenize", {"messages": [
+            {"role": "user", "content": "hi"}], "add_generation_prompt": True})
+        ids = got["tok"][1]["tokens"]
+        got["detok"] = await post(s, f"{u}/detokenize", {"model": "tiny", "tokens": ids})
+        got["bad"] = await post(s, f"{u}/detokenize", {"tokens": [99999]})
+        for path in ("/version", "/load", "/ping"):
+            async with s.get(u + path) as r:
+                got[path] = (r.status, await r.json())
+        return got
+
+    got, _ = serve(tokenizer, scenario=scenario)
+    status, tok, _ = got["tok"]
+    assert status == 200 and tok["tokens"] == tokenizer.encode("hello")
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == MODEL.max_model_len
+    assert tok["token_strs"] == tokenizer.convert_ids_to_tokens(tok["tokens"])
+    chat = got["chat"][1]
+    assert chat["tokens"] == tokenizer.encode_chat([{"role": "user", "content": "hi"}])
+    assert chat["token_strs"] is None
+    assert got["detok"][1] == {"prompt": tokenizer.decode(tok["tokens"],
+                                                          skip_special_tokens=False)}
+    assert got["bad"][0] == 400
+    assert got["/version"][0] == 200 and "version" in got["/version"][1]
+    assert got["/load"] == (200, {"server_load": 0})
+    assert got["/ping"][0] == 200
+
+
+def test_unknown_fields_are_accepted(tokenizer):
+    body = {"model": "tiny", "prompt": "x", "not_a_field": [1], "skip_special_tokens": False,
+            "stream": False}
+    (status, _, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body))
+    assert status == 200 and fe.requests[0].skip_special_tokens is False

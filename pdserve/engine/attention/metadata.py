@@ -29,6 +29,9 @@ class AttentionMetadata:
     """query_start as an int64 tensor on the model's device."""
     max_query_len: int
     max_seq_len: int
+    backend_plan: object = None
+    """What the attention backend derived from this metadata once per step
+    (`AttentionBackend.prepare`); None until then."""
 
     @property
     def num_seqs(self) -> int:

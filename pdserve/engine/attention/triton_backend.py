@@ -21,6 +21,9 @@ from pdserve.kernels.paged_attention import paged_decode_attention, paged_prefil
 class TritonAttention(AttentionBackend):
     name = "triton"
 
+    def traceable(self, cache: torch.Tensor) -> bool:
+        return True  # no host reads of per-step values: CUDA graphs can capture it
+
     def write_kv(self, cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> None:
         write_kv(cache, k, v, meta.slot_mapping)

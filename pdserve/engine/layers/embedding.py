@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.layers.linear import LinearMethod
 from pdserve.engine.parallel import SINGLE, ParallelContext
 
 
@@ -34,8 +35,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Projects hidden states to full-vocabulary logits (gathered across ranks)."""
+    """Projects hidden states to full-vocabulary logits (gathered across ranks).
+
+    The product goes through `self.method` (a `LinearMethod`, like the linear layers'), so a
+    quantisation scheme can give the head its own copy of the weight (e.g. a 4-bit one) while
+    a tied embedding keeps the full-precision rows it looks tokens up in.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype = torch.float32,
+                 tp: ParallelContext = SINGLE) -> None:
+        super().__init__(vocab_size, dim, dtype, tp)
+        self.method = LinearMethod()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = F.linear(hidden, self.weight)
+        local = self.method.apply(self, hidden, None)
         return self.tp.all_gather_last_dim(local)[..., : self.vocab_size]

@@ -2,30 +2,69 @@
 
 Column-parallel layers split the output features across ranks (no communication); row-parallel
 layers split the input features and all-reduce the partial outputs. Each layer's
-`weight_loader(param, loaded, shard_id)` takes a full checkpoint tensor and copies in this
-rank's slice, so checkpoints never need resharding offline.
+`weight_loader(param, loaded, shard_id)` takes a full checkpoint tensor, works out this rank's
+slice of it (a `Shard`: which rows or columns, and where they land), and hands both to its
+method, so checkpoints never need resharding offline.
 
-The matmul itself goes through `self.method` (a `LinearMethod`), so quantised schemes replace
-only the method, not the layer.
+The matmul and the weight's storage go through `self.method` (a `LinearMethod`), so quantised
+schemes replace only the method, not the layer. What a loader hands over is a dense tensor or
+an `Int4Weight` (4-bit checkpoints); both slice the same way (`narrow`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.int4_weight import Int4Weight
+
+Loaded = torch.Tensor | Int4Weight
+"""A checkpoint weight as a layer's loader receives it."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's slice of a checkpoint tensor and where it goes in the layer's parameter."""
+
+    dim: int
+    """0: a run of output rows; 1: a run of input features (row-parallel weights)."""
+    start: int
+    length: int
+    dest_row: int = 0
+    """First row of the parameter the slice fills (fused layers: q/k/v, gate/up)."""
+
+    def take(self, loaded: Loaded) -> Loaded:
+        return loaded.narrow(self.dim, self.start, self.length)
 
 
 class LinearMethod:
-    """How a linear layer multiplies: plain dense weights here; quantisation overrides this."""
+    """How a linear layer stores and multiplies its weight: dense here; quantisation overrides.
 
-    def apply(self, layer: LinearBase, x: torch.Tensor,
+    `prepare` runs once before loading, `load` receives each checkpoint tensor with its shard
+    (None: the whole tensor, as it is), `finalize` runs once after everything is loaded.
+    """
+
+    def prepare(self, layer: nn.Module) -> None:
+        """Called once before loading (give the layer the parameters this scheme loads)."""
+
+    def load(self, layer: nn.Module, param: nn.Parameter, loaded: Loaded,
+             shard: Shard | None) -> None:
+        piece = loaded if shard is None else shard.take(loaded)
+        if isinstance(piece, Int4Weight):  # a 4-bit checkpoint loaded into a dense model
+            piece = piece.dequantize(param.dtype)
+        dest = param.data if shard is None else param.data.narrow(0, shard.dest_row,
+                                                                  piece.shape[0])
+        dest.copy_(piece)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
-    def finalize(self, layer: LinearBase) -> None:
+    def finalize(self, layer: nn.Module) -> None:
         """Called once after all weights are loaded (quantise, repack, ...)."""
 
 
@@ -46,9 +85,9 @@ class LinearBase(nn.Module):
         return self.method.apply(self, x, self.bias)
 
 
-def _shard_rows(loaded: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+def _rank_rows(loaded: Loaded, rank: int, size: int, dest_row: int = 0) -> Shard:
     rows = loaded.shape[0] // size
-    return loaded.narrow(0, rank * rows, rows)
+    return Shard(0, rank * rows, rows, dest_row)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -58,8 +97,8 @@ class ColumnParallelLinear(LinearBase):
             raise ValueError(f"{out_features} output features do not split over TP={tp.size}")
         super().__init__(in_features, out_features // tp.size, bias, dtype, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        param.data.copy_(_shard_rows(loaded, self.tp.rank, self.tp.size))
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        self.method.load(self, param, loaded, _rank_rows(loaded, self.tp.rank, self.tp.size))
 
 
 class MergedColumnParallelLinear(LinearBase):
@@ -72,10 +111,10 @@ class MergedColumnParallelLinear(LinearBase):
         self.shard_sizes = [s // tp.size for s in out_sizes]
         super().__init__(in_features, sum(self.shard_sizes), bias, dtype, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: int) -> None:
         offset = sum(self.shard_sizes[:shard_id])
-        size = self.shard_sizes[shard_id]
-        param.data.narrow(0, offset, size).copy_(_shard_rows(loaded, self.tp.rank, self.tp.size))
+        self.method.load(self, param, loaded,
+                         _rank_rows(loaded, self.tp.rank, self.tp.size, dest_row=offset))
 
 
 class QKVParallelLinear(LinearBase):
@@ -100,15 +139,15 @@ class QKVParallelLinear(LinearBase):
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         super().__init__(hidden, out, bias, dtype, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: str) -> None:
         q = self.num_heads * self.head_dim
         kv = self.num_kv_heads * self.head_dim
         if shard_id == "q":
-            offset, src = 0, loaded.narrow(0, self.tp.rank * q, q)
+            shard = Shard(0, self.tp.rank * q, q, dest_row=0)
         else:
-            offset = q if shard_id == "k" else q + kv
-            src = loaded.narrow(0, self.kv_head_start * self.head_dim, kv)
-        param.data.narrow(0, offset, src.shape[0]).copy_(src)
+            shard = Shard(0, self.kv_head_start * self.head_dim, kv,
+                          dest_row=q if shard_id == "k" else q + kv)
+        self.method.load(self, param, loaded, shard)
 
 
 def kv_head_start(num_kv_heads: int, rank: int, size: int) -> int:
@@ -125,14 +164,14 @@ class RowParallelLinear(LinearBase):
             raise ValueError(f"{in_features} input features do not split over TP={tp.size}")
         super().__init__(in_features // tp.size, out_features, bias, dtype, tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
         if param is not self.weight:
             # Per-output-row tensors (the bias, added once after the reduction; FP8
             # weight scales) are not split: every rank holds all output rows.
-            param.data.copy_(loaded)
+            self.method.load(self, param, loaded, None)
             return
         cols = loaded.shape[1] // self.tp.size
-        param.data.copy_(loaded.narrow(1, self.tp.rank * cols, cols))
+        self.method.load(self, param, loaded, Shard(1, self.tp.rank * cols, cols))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins after the reduction so it is added once, not once per rank.

@@ -1,9 +1,12 @@
 """Rotary position embeddings (NeoX half-rotation layout) with default, linear and llama3
-frequency schedules. cos/sin are tabulated once for every position up to the model length."""
+frequency schedules, and explicit per-frequency divisors (GGUF `rope_freqs`). cos/sin are
+tabulated once for every position up to the model length; `at(positions)` looks up a step's
+rows once, and every layer rotates with them."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -14,9 +17,14 @@ from pdserve.engine.model_config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     inv = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if rope.rope_type == "linear":
-        return inv / rope.get("factor", 1.0)
-    if rope.rope_type == "llama3":
-        return _llama3_schedule(inv, rope)
+        inv = inv / rope.get("factor", 1.0)
+    elif rope.rope_type == "llama3":
+        inv = _llama3_schedule(inv, rope)
+    if rope.freq_factors:
+        if len(rope.freq_factors) != head_dim // 2:
+            raise ValueError(f"{len(rope.freq_factors)} rope frequency factors for a head of "
+                             f"{head_dim} (expected {head_dim // 2})")
+        inv = inv / torch.tensor(rope.freq_factors, dtype=torch.float32)
     return inv
 
 
@@ -39,6 +47,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+@dataclass(frozen=True)
+class RopeAt:
+    """cos and sin rows of one step's positions, [T, 1, head_dim] in the activations' dtype."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -49,9 +65,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeAt:
+        """The rows for `positions` [T], once per step (shared by every layer)."""
+        return RopeAt(self.cos[positions].unsqueeze(1).to(dtype),
+                      self.sin[positions].unsqueeze(1).to(dtype))
+
+    def forward(self, rope: RopeAt | torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; positions: [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        """q: [T, H, D], k: [T, KVH, D]; `rope`: this step's rows, or the positions [T]."""
+        if not isinstance(rope, RopeAt):
+            rope = self.at(rope, q.dtype)
+        cos, sin = rope.cos, rope.sin
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

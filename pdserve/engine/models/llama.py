@@ -25,12 +25,14 @@ from pdserve.engine.layers.linear import (
     RowParallelLinear,
 )
 from pdserve.engine.layers.norm import RMSNorm
-from pdserve.engine.layers.rotary import RotaryEmbedding
+from pdserve.engine.layers.rotary import RopeAt, RotaryEmbedding
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.parallel import SINGLE, ParallelContext
 
 # Called after each layer has written its KV: the prefill worker streams that layer out.
 LayerHook = Callable[[int], None]
+# Runs one layer: (layer, rope, x, cache, meta, backend) -> x.
+RunLayer = Callable[..., torch.Tensor]
 
 _STACKED = (  # (our parameter, checkpoint name, shard id)
     ("qkv_proj", "q_proj", "q"),
@@ -55,11 +57,11 @@ class Attention(nn.Module):
         self.scale = cfg.head_dim ** -0.5
         self.window = cfg.sliding_window
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, cache: torch.Tensor,
+    def forward(self, rope: RopeAt, x: torch.Tensor, cache: torch.Tensor,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.project(x)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         backend.write_kv(cache, k, v, meta)
         out = backend.attend(q, cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -98,8 +100,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = mlp
 
-    def forward(self, positions, x, cache, meta, backend):
-        x = x + self.self_attn(positions, self.input_layernorm(x), cache, meta, backend)
+    def forward(self, rope, x, cache, meta, backend):
+        x = x + self.self_attn(rope, self.input_layernorm(x), cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -111,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
                                  max_positions or cfg.max_position_embeddings)
+        self.rotary = rotary  # one table for every layer, looked up once per step
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, cfg, dtype, tp, rotary)
                                     for i in range(cfg.num_layers))
@@ -126,12 +129,17 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 caches: list[torch.Tensor], meta: AttentionMetadata,
-                backend: AttentionBackend, layer_hook: LayerHook | None = None
-                ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm."""
+                backend: AttentionBackend, layer_hook: LayerHook | None = None,
+                run_layer: RunLayer | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm. `run_layer(layer, rope, x, cache,
+        meta, backend)` replaces the plain call of each layer (a compiled decode step)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.at(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(positions, x, caches[i], meta, backend)
+            if run_layer is None:
+                x = layer(rope, x, caches[i], meta, backend)
+            else:
+                x = run_layer(layer, rope, x, caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
         return self.norm(x)
@@ -158,7 +166,9 @@ class LlamaForCausalLM(nn.Module):
             if loader is None:
                 param.data.copy_(tensor)
             else:
-                loader(param, tensor.to(param.dtype), shard)
+                # A 4-bit `Int4Weight` goes to its layer's loader as the checkpoint gave it.
+                value = tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor
+                loader(param, value, shard)
             loaded.add(target)
         return loaded
 

@@ -63,9 +63,12 @@ class SpeculativeDecoder:
 
     @torch.inference_mode()
     def propose(self, scheduler: Scheduler) -> None:
-        """Set `spec_token_ids` on every running request in decode (mutates the requests)."""
+        """Set `spec_token_ids` on every running request in decode (mutates the requests).
+        Only once a request has an output token: a prompt whose last token alone is left (a
+        prefix hit up to it, a forked choice) samples its first token plainly, as it would
+        have uncached, so a seeded request's first token never depends on the cache."""
         decoding = [r for r in scheduler.running if r.status is RequestStatus.RUNNING
-                    and r.num_tokens - r.num_computed_tokens == 1]
+                    and r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
             return
         chosen = self.policy.choose([r.request_id for r in decoding], len(scheduler.running))

@@ -102,6 +102,10 @@ def run(rank: int, size: int, host: str, store_port: int, config: EngineConfig,
                 return
             if msg["op"] == "tier":
                 continue  # answered (reduce / barrier) inside follow_tiers
+            if msg["op"] == "copy_blocks":  # a fork's copy-on-write, before any step uses it
+                engine.runner.copy_blocks([tuple(p) for p in msg["pairs"]])
+                group.control.barrier().wait()
+                continue
             if msg["op"] != "step":
                 plugin.on_message(msg)
                 group.control.barrier().wait()  # rank 0 waits until every rank handled it

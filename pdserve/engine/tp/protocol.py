@@ -1,8 +1,10 @@
 """Messages from rank 0 to the follower ranks: msgpack, versioned, broadcast as bytes.
 
     {"v": VERSION, "op": "setup", "num_blocks": int}
-    {"v": VERSION, "op": "step", "chunks": [[token_ids, start, block_ids, num_samples], ...],
+    {"v": VERSION, "op": "step", "chunks": [[token_ids, start, block_ids, num_samples,
+                                             num_prompt_logits], ...],
                                "extra": {...}}   # e.g. the prefill worker's KV sends
+    {"v": VERSION, "op": "copy_blocks", "pairs": [[src, dst], ...]}   # a fork's copy-on-write
     {"v": VERSION, "op": "stop"}
     {"v": VERSION, "op": "tier", "call": TierOp wire | absent}   # see pdserve.engine.tp.tiers
     any message may carry "tier_ops": [TierOp wire, ...], run by followers before the message
@@ -20,15 +22,19 @@ import torch.distributed as dist
 from pdserve.engine.scheduler import ScheduledChunk
 
 # History: 1 - setup / step / stop. 2 - "tier" calls and "tier_ops" on any message.
-VERSION = 2
+# 3 - a step's chunks carry num_prompt_logits (prompt logprobs: the LM head gathers those
+# rows on every rank); "copy_blocks" (a fork's copy of its parent's last partial block).
+VERSION = 3
 
 
 def encode_chunks(chunks: Sequence[ScheduledChunk]) -> list[list[Any]]:
-    return [[c.token_ids, c.start, c.block_ids, c.num_samples] for c in chunks]
+    return [[c.token_ids, c.start, c.block_ids, c.num_samples, c.num_prompt_logits]
+            for c in chunks]
 
 
 def decode_chunks(rows: list[list[Any]]) -> list[ScheduledChunk]:
-    return [ScheduledChunk("", list(t), int(s), list(b), int(n)) for t, s, b, n in rows]
+    return [ScheduledChunk("", list(t), int(s), list(b), int(n), num_prompt_logits=int(p))
+            for t, s, b, n, p in rows]
 
 
 def broadcast_message(group: dist.ProcessGroup, message: dict | None, rank: int) -> dict:

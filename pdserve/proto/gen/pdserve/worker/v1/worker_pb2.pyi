@@ -8,17 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVEndpoint(_message.Message):
-    __slots__ = ("address", "tp_rank", "tp_size")
+    __slots__ = ("address", "tp_rank", "tp_size", "nixl")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     TP_RANK_FIELD_NUMBER: _ClassVar[int]
     TP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     address: str
     tp_rank: int
     tp_size: int
-    def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ...) -> None: ...
+    nixl: bytes
+    def __init__(self, address: _Optional[str] = ..., tp_rank: _Optional[int] = ..., tp_size: _Optional[int] = ..., nixl: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "local_prefill", "deadline_unix_s", "kv_source", "generated_token_ids", "n")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +28,8 @@ class DecodeRequest(_message.Message):
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _pdserve_pb2.SamplingParams
@@ -33,7 +37,9 @@ class DecodeRequest(_message.Message):
     local_prefill: bool
     deadline_unix_s: float
     kv_source: KVSource
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+    generated_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    n: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., local_prefill: _Optional[bool] = ..., deadline_unix_s: _Optional[float] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ..., generated_token_ids: _Optional[_Iterable[int]] = ..., n: _Optional[int] = ...) -> None: ...
 
 class KVSource(_message.Message):
     __slots__ = ("address", "blocks")
@@ -44,34 +50,44 @@ class KVSource(_message.Message):
     def __init__(self, address: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
 
 class DecodeReady(_message.Message):
-    __slots__ = ("cached_blocks", "block_ids", "endpoints")
+    __slots__ = ("cached_blocks", "block_ids", "endpoints", "kv_lease_s", "kv_ticket")
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    KV_LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     cached_blocks: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
-    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ...) -> None: ...
+    kv_lease_s: float
+    kv_ticket: bytes
+    def __init__(self, cached_blocks: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., kv_lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class TokenBatch(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
+    __slots__ = ("token_ids", "logprobs", "prompt_logprobs", "index")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
+    index: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "cached_tokens")
+    __slots__ = ("reason", "prompt_tokens", "completion_tokens", "cached_tokens", "index")
     REASON_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     reason: _pdserve_pb2.FinishReason
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    def __init__(self, reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    index: int
+    def __init__(self, reason: _Optional[_Union[_pdserve_pb2.FinishReason, str]] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class DecodeEvent(_message.Message):
     __slots__ = ("ready", "tokens", "finished")
@@ -84,14 +100,18 @@ class DecodeEvent(_message.Message):
     def __init__(self, ready: _Optional[_Union[DecodeReady, _Mapping]] = ..., tokens: _Optional[_Union[TokenBatch, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("endpoints", "block_ids", "skip_blocks")
+    __slots__ = ("endpoints", "block_ids", "skip_blocks", "lease_s", "kv_ticket")
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     SKIP_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_blocks: int
-    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ...) -> None: ...
+    lease_s: float
+    kv_ticket: bytes
+    def __init__(self, endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., skip_blocks: _Optional[int] = ..., lease_s: _Optional[float] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "seed", "target", "deadline_unix_s")
@@ -110,20 +130,22 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_pdserve_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., deadline_unix_s: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("token_id", "logprob", "cached_tokens", "kv_bytes", "queue_s", "compute_s")
+    __slots__ = ("token_id", "logprob", "cached_tokens", "kv_bytes", "queue_s", "compute_s", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: _pdserve_pb2.TokenLogprob
     cached_tokens: int
     kv_bytes: int
     queue_s: float
     compute_s: float
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_pdserve_pb2.TokenLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[_Union[_pdserve_pb2.TokenLogprob, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., queue_s: _Optional[float] = ..., compute_s: _Optional[float] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_pdserve_pb2.TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -152,7 +174,7 @@ class PrefetchResponse(_message.Message):
     def __init__(self, blocks_promoted: _Optional[int] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra")
+    __slots__ = ("request_id", "prompt_token_ids", "start_block", "end_block", "endpoints", "block_ids", "hash_extra", "kv_ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     START_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +182,7 @@ class PushKVRequest(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    KV_TICKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     start_block: int
@@ -167,7 +190,8 @@ class PushKVRequest(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     hash_extra: bytes
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ...) -> None: ...
+    kv_ticket: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., start_block: _Optional[int] = ..., end_block: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., block_ids: _Optional[_Iterable[int]] = ..., hash_extra: _Optional[bytes] = ..., kv_ticket: _Optional[bytes] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("blocks_sent", "kv_bytes")

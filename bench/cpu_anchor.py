@@ -1,0 +1,163 @@
+"""The CPU anchor: llama.cpp (llama-cpp-python) and pdserve on the same GGUF file, decode
+tokens/s at batch 1 and batch 8, side by side in one run. Issue 15.
+
+    .venv/bin/pip install llama-cpp-python      # bench-only; builds llama.cpp (~11 min)
+    .venv/bin/python bench/cpu_anchor.py [--repeats 3] [--threads 2] [--new 128]
+        [--quantization int4]
+
+Both read the default model's file (SmolLM2-135M-Instruct, Q4_1): llama.cpp computes on the
+4-bit blocks as stored; pdserve dequantises to fp32 (default) or, with `--quantization int4`,
+keeps 4-bit weights (W4A16). Workload: `batch` random 128-token prompts, `--new` greedy tokens
+each. Decode tokens/s = (batch x (new - 1)) / the time from every request's first token to the
+last token: prefill is left out on both sides. llama.cpp runs a batch as `batch` sequences of
+one context (n_seq_max = batch), one `llama_decode` per step over all of them; pdserve is
+its engine stepping its continuous batch. Engines alternate within each repeat; medians.
+Writes bench/results/cpu_anchor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import print_table, write_json  # noqa: E402
+from pdserve.default_model import ensure_default_model, source_file  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+
+
+def prompts_for(batch: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 4096) for _ in range(128)] for _ in range(batch)]
+
+
+class LlamaCpp:
+    """A llama.cpp context with `max_seqs` sequences, driven through the C API."""
+
+    def __init__(self, path: Path, threads: int, max_seqs: int, n_ctx: int) -> None:
+        import llama_cpp
+
+        self.lib = llama_cpp
+        self.llm = llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512,
+                                   n_threads=threads, n_threads_batch=threads, verbose=False)
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, 512, 512
+        params.n_seq_max, params.n_threads, params.n_threads_batch = max_seqs, threads, threads
+        self.ctx = llama_cpp.llama_init_from_model(self.llm._model.model, params)
+        self.vocab = self.llm.n_vocab()
+        self.batch = llama_cpp.llama_batch_init(512, 0, max_seqs)
+
+    def _clear(self) -> None:
+        lib = self.lib
+        if hasattr(lib, "llama_memory_clear"):
+            lib.llama_memory_clear(lib.llama_get_memory(self.ctx), True)
+        else:
+            lib.llama_kv_self_clear(self.ctx)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> list[int]:
+        """items: (token, position, sequence, wants logits) -> argmax of each wanted row."""
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (tok, pos, seq, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i] = tok, pos, 1
+            b.seq_id[i][0], b.logits[i] = seq, 1 if logits else 0
+        if self.lib.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        out = []
+        for i, (_, _, _, logits) in enumerate(items):
+            if logits:
+                ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+                row = np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                            shape=(self.vocab,))
+                out.append(int(row.argmax()))
+        return out
+
+    def run(self, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+        """(decode seconds, greedy tokens per sequence)."""
+        self._clear()
+        last = []
+        for s, p in enumerate(prompts):  # prefill each sequence, logits of its last token
+            last += self._decode([(t, j, s, j == len(p) - 1) for j, t in enumerate(p)])
+        outs = [[t] for t in last]
+        t0 = time.perf_counter()
+        for step in range(new - 1):
+            items = [(o[-1], len(p) + step, s, True)
+                     for s, (p, o) in enumerate(zip(prompts, outs, strict=True))]
+            for o, t in zip(outs, self._decode(items), strict=True):
+                o.append(t)
+        return time.perf_counter() - t0, outs
+
+
+def run_pdserve(llm: LLM, prompts: list[list[int]], new: int) -> tuple[float, list[list[int]]]:
+    engine = llm.engine
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    ids = [f"anchor-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    outs: dict[str, list[int]] = {rid: [] for rid in ids}
+    t0 = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].extend(out.new_token_ids)
+        if t0 is None and all(outs.values()):  # every request has its first token
+            t0 = time.perf_counter()
+    return time.perf_counter() - t0, [outs[r] for r in ids]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--quantization", default=None, help="pdserve weights: None (fp32), int4")
+    ap.add_argument("--compile-decode", default="off")
+    ap.add_argument("--output", default="bench/results/cpu_anchor.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    gguf = source_file()
+    ours = LLM(str(ensure_default_model()), quantization=a.quantization,
+               compile_decode=a.compile_decode, enable_prefix_caching=False,
+               kv_cache_memory_gb=0.5)
+    theirs = LlamaCpp(gguf, a.threads, max(a.batches), n_ctx=max(a.batches) * (128 + a.new))
+    run_pdserve(ours, prompts_for(2), 4)  # warm (and compile) first
+    theirs.run(prompts_for(1), 4)
+    rows, raw = [], {}
+    for batch in a.batches:
+        prompts = prompts_for(batch, seed=batch)
+        t_ours, t_theirs = [], []
+        for _ in range(a.repeats):
+            dt, tok_ours = run_pdserve(ours, prompts, a.new)
+            t_ours.append(dt)
+            dt, tok_theirs = theirs.run(prompts, a.new)
+            t_theirs.append(dt)
+        decoded = batch * (a.new - 1)
+        same = sum(x == y for x, y in zip(tok_ours, tok_theirs, strict=True))
+        rows.append({"batch": batch, "pdserve_tok_s": decoded / statistics.median(t_ours),
+                     "llama_cpp_tok_s": decoded / statistics.median(t_theirs),
+                     "ratio": statistics.median(t / o for o, t in zip(t_ours, t_theirs,
+                                                                       strict=True)),
+                     "same_greedy_seqs": f"{same}/{batch}"})
+        raw[batch] = {"pdserve_s": t_ours, "llama_cpp_s": t_theirs}
+    weights = a.quantization or "fp32"
+    print(f"\npdserve ({weights}) vs llama.cpp (Q4_1), {gguf.name}, {a.threads} threads, "
+          f"decode tokens/s, medians of {a.repeats}")
+    print_table(rows, ["batch", "pdserve_tok_s", "llama_cpp_tok_s", "ratio",
+                       "same_greedy_seqs"])
+    out = write_json(a.output, {"threads": a.threads, "pdserve_weights": weights,
+                                "compile_decode": a.compile_decode, "rows": rows,
+                                "raw": raw})
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Decode speed on the real default model (SmolLM2-135M-Instruct, fp32): pdserve vs HF
+transformers, and weight bytes read per second over memory-copy bandwidth. Issue 15.
+
+    .venv/bin/python bench/decode_bench.py [--repeats 3] [--threads 2]
+        [--configs eager inductor reference] [--batches 1 32] [--skip-hf]
+
+Engines (one process, all loaded at start; every repeat runs each of them in turn, so the
+machine's noise hits all alike; medians of the repeats, ratios within a repeat):
+- `eager`: the default engine (C++ CPU paged attention, eager decode step);
+- `inductor`: the same with `compile_decode="inductor"` (compiled before timing);
+- `reference`: `attention_backend="torch"`, the pure-torch paged attention (the previous
+  engine's path);
+- `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
+
+Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
+16..512, max_tokens 16..128; HF pads and runs to the longest, both credited with the same
+useful tokens), as in bench/engine_bench.py. Bandwidth (batch 1): every weight byte a decode
+step reads (the embedding matrix counted once: tied, it is read whole as the LM head) x
+tokens/s, over a large tensor copy's bytes/s measured right before each repeat.
+Greedy tokens of every pdserve engine are checked equal to each other and, at batch 1, to HF.
+Writes bench/results/decode.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
+from bench.engine_bench import workload  # noqa: E402
+from pdserve.default_model import ensure_default_model, source_file  # noqa: E402
+from pdserve.engine import LLM, SamplingParams  # noqa: E402
+
+ENGINES = {
+    "eager": {},
+    "inductor": {"compile_decode": "inductor"},
+    "reference": {"attention_backend": "torch"},
+}
+
+
+def load_hf():
+    import transformers
+
+    gguf = source_file()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def run_hf(model, prompts, max_new) -> tuple[float, list[list[int]]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, do_sample=False,
+                             max_new_tokens=max(max_new), min_new_tokens=max(max_new),
+                             pad_token_id=0, eos_token_id=None)
+    dt = time.perf_counter() - t0
+    return dt, [row[width:width + m].tolist() for row, m in zip(out, max_new, strict=True)]
+
+
+def run_ours(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]]]:
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - t0, [o.token_ids for o in outs]
+
+
+def weight_bytes(llm: LLM) -> int:
+    """Bytes of weights one decode step reads (shared tensors once)."""
+    model = llm.engine.runner.model
+    seen, total = set(), 0
+    for p in model.parameters():  # parameters() already skips the tied duplicate
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    if not model.config.tie_word_embeddings:  # an untied embedding: one row per token
+        emb = model.embed_tokens.weight
+        total -= emb.numel() * emb.element_size()
+    return total
+
+
+def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], dict]:
+    prompts, max_new = workload(batch)
+    useful = sum(max_new)
+    times: dict[str, list[float]] = {name: [] for name in [*engines, "hf"]}
+    copies, tokens = [], {}
+    for _ in range(repeats):
+        copies.append(memcpy_bandwidth())
+        for name, llm in engines.items():
+            dt, tokens[name] = run_ours(llm, prompts, max_new)
+            times[name].append(dt)
+        if hf is not None:
+            dt, tokens["hf"] = run_hf(hf, prompts, max_new)
+            times["hf"].append(dt)
+    ours = [tokens[n] for n in engines]
+    assert all(t == ours[0] for t in ours), "pdserve engines disagree on greedy tokens"
+    if batch == 1 and hf is not None:
+        assert tokens["hf"] == ours[0], "pdserve and HF disagree on greedy tokens"
+    rows = []
+    for name, ts in times.items():
+        if not ts:
+            continue
+        row = {"batch": batch, "engine": name, "tok_s": useful / statistics.median(ts)}
+        if hf is not None and name != "hf":
+            row["vs_hf"] = statistics.median(h / t for h, t in zip(times["hf"], ts,
+                                                                    strict=True))
+        rows.append(row)
+    return rows, {"memcpy_GB_s": statistics.median(copies) / 1e9, "times_s": times}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--configs", nargs="+", default=list(ENGINES), choices=list(ENGINES))
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32], choices=[1, 32])
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--output", default="bench/results/decode.json")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model = ensure_default_model()
+    engines = {n: LLM(str(model), dtype="float32", enable_prefix_caching=False,
+                      kv_cache_memory_gb=0.5, **ENGINES[n]) for n in a.configs}
+    hf = None if a.skip_hf else load_hf()
+    warm = workload(32)
+    for llm in engines.values():  # compile (inductor) and warm every engine first
+        run_ours(llm, warm[0][:1], [4])
+        run_ours(llm, warm[0][:3], [4, 4, 4])
+    result: dict = {"threads": a.threads, "repeats": a.repeats}
+    rows, bw = [], []
+    for batch in a.batches:
+        got, extra = measure(engines, hf, batch, a.repeats)
+        rows += got
+        result.update({f"batch{batch}": got, f"batch{batch}_raw": extra})
+        if batch == 1:
+            bw = bandwidth_rows(got, weight_bytes(next(iter(engines.values()))),
+                                extra["memcpy_GB_s"])
+            result["bandwidth"] = bw
+    print(f"\nDecode, SmolLM2-135M-Instruct fp32, {a.threads} threads, medians of {a.repeats}")
+    print_table(rows, ["batch", "engine", "tok_s", "vs_hf"])
+    if bw:
+        print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
+        print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])
+    print(f"\nwrote {write_json(a.output, result)}")
+
+
+def bandwidth_rows(rows: list[dict], wb: int, memcpy_gb_s: float) -> list[dict]:
+    return [{"engine": r["engine"], "weight_MB": wb / 1e6, "weight_GB_s": wb * r["tok_s"] / 1e9,
+             "memcpy_GB_s": memcpy_gb_s, "utilisation": wb * r["tok_s"] / (memcpy_gb_s * 1e9)}
+            for r in rows if r["engine"] != "hf"]
+
+
+if __name__ == "__main__":
+    main()

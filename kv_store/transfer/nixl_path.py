@@ -1,0 +1,307 @@
+"""The NIXL payload path: senders write KV bytes into the receiver's landing pool.
+
+A receiver with a NIXL agent registers one landing pool once (`LandingPool`: slots of
+`nixl_slot_bytes`) and offers it in its `NixlDescriptor` — the agent's metadata, the pool's
+address and slot layout — which the decode worker hands out only over the authenticated gRPC
+hand-off (`KVEndpoint.nixl`). A sender that has the descriptor opens a pair whose hello names
+transport "nixl"; the control frames stay on the pair (sealed, ticket-tagged, ordered), only
+the bytes move through NIXL:
+
+    receiver: pair open ─► GRANT{its slots} (backward) ──────────────────────────────┐
+    sender, per LAYER chunk (whole blocks, at most one slot): take a granted slot ◄───┤
+      ─► NIXL WRITE bytes ─► slot   (one copy: CMA on one host, RDMA across)          │
+      ─► LAYER{..., slot} (sealed, tagged) ─► receiver: checks ticket and reservation, │
+         copies slot ─► paged cache (the sink, under its lock) ─► GRANT{slot} ─────────┘
+
+Why a landing pool and not the paged cache itself: a one-sided write into the cache could
+land in a block after the decode worker freed it (a cancelled request, its writer not yet
+told) and corrupt the next owner's KV; bytes land in slots that only this pair may write, and
+the receiver moves them into the cache only after the header passed every check, under the
+same lock that orders writes against cancellation (`decode_worker.kv_sink`). The price is
+one copy on the receiver, which the gloo path pays too.
+
+A slot is the sender's to write from its GRANT until the receiver sees the LAYER naming it;
+a pair whose sender never got slots (the pool is used up) sends its payloads inline. Slots of
+a pair that broke are quarantined before reuse (a write of its sender may still land within
+its write timeout); the pool's memory outlives the receiver by the same bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+
+from kv_store.transfer import auth, wire
+from kv_store.transfer.channel import BACKWARD_TAG, FORWARD_TAG, Channel, ChannelClosed
+from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration
+from kv_store.transfer.wire import Header, Kind, ProtocolError
+
+if TYPE_CHECKING:
+    from kv_store.transfer.sender_pair import Outgoing
+
+DESCRIPTOR_VERSION = 1
+# Descriptor version history: 1 — agent metadata, pool base address, slot size and count,
+# memory kind and device.
+MAX_METADATA_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class NixlDescriptor:
+    """What a sender needs to write into a receiver's landing pool."""
+
+    metadata: bytes
+    """The receiving agent's NIXL metadata (connection info and registration keys)."""
+    base: int
+    """Address of slot 0 in the receiver's process."""
+    slot_bytes: int
+    num_slots: int
+    mem: str = "DRAM"
+    """"DRAM" (a CPU pool) or "VRAM" (a CUDA pool)."""
+    device: int = 0
+
+    def encode(self) -> bytes:
+        return msgpack.packb({"v": DESCRIPTOR_VERSION, "md": self.metadata, "base": self.base,
+                              "slot_bytes": self.slot_bytes, "slots": self.num_slots,
+                              "mem": self.mem, "dev": self.device}, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> NixlDescriptor:
+        """`ValueError` naming the field unless `data` is a descriptor of this version."""
+        try:
+            doc = msgpack.unpackb(data, raw=False)
+        except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError):
+            raise ValueError("NIXL descriptor is not msgpack") from None
+        version = doc.get("v") if isinstance(doc, dict) else None
+        if version != DESCRIPTOR_VERSION:
+            raise ValueError(f"NIXL descriptor version {version!r} is not {DESCRIPTOR_VERSION}")
+        md = doc.get("md")
+        if not isinstance(md, bytes) or not 0 < len(md) <= MAX_METADATA_BYTES:
+            raise ValueError("NIXL descriptor field 'md' must be non-empty bytes")
+        ints = {k: doc.get(k) for k in ("base", "slot_bytes", "slots", "dev")}
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                   for v in ints.values()) or not ints["slot_bytes"] or not ints["slots"]:
+            raise ValueError("NIXL descriptor fields 'base', 'slot_bytes', 'slots', 'dev' "
+                             "must be non-negative ints (slots and their size positive)")
+        if doc.get("mem") not in ("DRAM", "VRAM"):
+            raise ValueError("NIXL descriptor field 'mem' must be DRAM or VRAM")
+        return cls(md, ints["base"], ints["slot_bytes"], ints["slots"], doc["mem"], ints["dev"])
+
+    def accepts(self, payload: torch.Tensor) -> bool:
+        """Whether payloads on this tensor's device can be written into the pool."""
+        return payload.is_cuda == (self.mem == "VRAM")
+
+    def slot_address(self, slot: int) -> int:
+        if not 0 <= slot < self.num_slots:
+            raise ProtocolError(f"slot {slot} is outside the pool's {self.num_slots}")
+        return self.base + slot * self.slot_bytes
+
+
+class LandingPool:
+    """A receiver's registered landing memory, cut into slots; thread-safe."""
+
+    def __init__(self, agent: NixlAgent, nbytes: int, slot_bytes: int,
+                 device: torch.device | None = None, quarantine_s: float = 30.0) -> None:
+        self._agent = agent
+        self.slot_bytes = slot_bytes
+        self.num_slots = nbytes // slot_bytes
+        self._buffer = torch.empty(self.num_slots * slot_bytes, dtype=torch.uint8,
+                                   device=device or "cpu")
+        self._reg: Registration | None = agent.register(self._buffer)
+        dev = self._buffer.get_device() if self._buffer.is_cuda else 0
+        self.descriptor = NixlDescriptor(agent.metadata(), self._buffer.data_ptr(), slot_bytes,
+                                         self.num_slots, self._reg.mem, dev)
+        self._quarantine_s = quarantine_s
+        self._lock = threading.Lock()
+        self._free: deque[int] = deque(range(self.num_slots))
+        self._held: list[tuple[float, list[int]]] = []  # (free again at, slots)
+
+    def take(self, want: int) -> list[int]:
+        """Up to `want` free slots (fewer, or none, when the pool runs low)."""
+        with self._lock:
+            self._reclaim(time.monotonic())
+            return [self._free.popleft() for _ in range(min(want, len(self._free)))]
+
+    def give_back(self, slots: list[int], quarantined: bool) -> None:
+        """Return a pair's slots; `quarantined`: its sender may still write into them."""
+        with self._lock:
+            if quarantined:
+                self._held.append((time.monotonic() + self._quarantine_s, list(slots)))
+            else:
+                self._free.extend(slots)
+
+    @property
+    def num_free(self) -> int:
+        with self._lock:
+            self._reclaim(time.monotonic())
+            return len(self._free)
+
+    def view(self, slot: int, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of a slot (a view of the pool: no copy)."""
+        start = slot * self.slot_bytes
+        return self._buffer[start:start + nbytes]
+
+    def close(self) -> None:
+        """Deregister; the memory itself is kept for the quarantine, in case a sender's
+        write is still under way."""
+        if self._reg is None:
+            return
+        self._agent.deregister(self._reg)
+        self._reg = None
+        keep = threading.Timer(self._quarantine_s, lambda buf=self._buffer: None)
+        keep.daemon = True
+        keep.start()
+
+    def _reclaim(self, now: float) -> None:
+        ready = [slots for until, slots in self._held if until <= now]
+        self._held = [(until, slots) for until, slots in self._held if until > now]
+        for slots in ready:
+            self._free.extend(slots)
+
+
+class NixlSend:
+    """Sender end: writes each LAYER's blocks into granted slots, then sends its header."""
+
+    transport = "nixl"
+
+    def __init__(self, agent: NixlAgent, peer: NixlDescriptor, fallback: Any) -> None:
+        self._agent = agent
+        self._peer = peer
+        self._peer_name = agent.connect(peer.metadata)
+        self._fallback = fallback  # inline path, for payloads that cannot use a slot
+        self._cv = threading.Condition()
+        self._free: list[int] = []
+        self._owned = 0
+        self._granted = False  # the receiver's first GRANT arrived
+        self._closed = False
+
+    def on_grant(self, header: Header) -> None:
+        bad = [s for s in header.slots if not 0 <= s < self._peer.num_slots]
+        if bad:
+            raise ProtocolError(f"GRANT names slots {bad[:4]} outside the receiver's pool")
+        with self._cv:
+            if not self._granted:
+                self._owned = len(header.slots)
+            self._granted = True
+            self._free.extend(header.slots)
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def send_layer(self, channel: Channel, item: Outgoing, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        header, payload = item.header, wire.to_carrier(item.payload)
+        per_block = payload.numel() * payload.element_size() // max(len(header.blocks), 1)
+        if not self._wait_granted(deadline) or not 0 < per_block <= self._peer.slot_bytes \
+                or not self._peer.accepts(payload):
+            return self._fallback.send_layer(channel, item, timeout_s)
+        if item.ready is not None:
+            item.ready.synchronize()  # a CUDA payload: NIXL copies outside our streams
+        step = self._peer.slot_bytes // per_block
+        n = len(header.blocks)
+        reg = self._agent.register(payload)
+        try:
+            base = payload.data_ptr()
+            for a in range(0, n, step):
+                b = min(n, a + step)
+                part = header if (a, b) == (0, n) else _part(header, item.ticket, a, b)
+                self._write_part(channel, part, base + a * per_block, (b - a) * per_block,
+                                 payload, deadline)
+        finally:
+            self._agent.deregister(reg)
+        return payload.numel() * payload.element_size()
+
+    def _write_part(self, channel: Channel, header: Header, src: int, nbytes: int,
+                    payload: torch.Tensor, deadline: float) -> None:
+        slot = self._take(deadline)
+        dev = payload.get_device() if payload.is_cuda else 0
+        try:
+            self._agent.write(self._peer_name, self._peer.mem, dev, [(src, nbytes)],
+                              [(self._peer.slot_address(slot), nbytes)],
+                              max(deadline - time.monotonic(), 0.001))
+        except NixlWriteError as exc:
+            raise ChannelClosed(str(exc)) from None
+        channel.send(FORWARD_TAG, dataclasses.replace(header, slot=slot), None,
+                     max(deadline - time.monotonic(), 0.001))
+
+    def _wait_granted(self, deadline: float) -> bool:
+        """Whether this pair owns slots (waits for the receiver's first GRANT)."""
+        with self._cv:
+            self._wait(lambda: self._granted, deadline, "granted no landing slots")
+            return self._owned > 0
+
+    def _take(self, deadline: float) -> int:
+        with self._cv:
+            self._wait(lambda: bool(self._free), deadline, "granted no landing slot back")
+            return self._free.pop()
+
+    def _wait(self, ready, deadline: float, what: str) -> None:
+        """Wait (holding the condition) until `ready()`; `ChannelClosed` at the deadline or
+        when the pair closes."""
+        while not ready() and not self._closed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ChannelClosed(f"the receiver {what} in time")
+            self._cv.wait(left)
+        if self._closed:
+            raise ChannelClosed("pair closed")
+
+
+class NixlReceive:
+    """Receiver end: owns some of the pool's slots, hands them out and takes them back."""
+
+    transport = "nixl"
+
+    def __init__(self, pool: LandingPool | None, want: int, fallback: Any) -> None:
+        self._pool = pool
+        self._slots = pool.take(want) if pool is not None else []
+        self._out = set(self._slots)  # granted to the sender and not yet named by a LAYER
+        self._fallback = fallback
+
+    @property
+    def num_slots(self) -> int:
+        return len(self._slots)
+
+    def start(self, channel: Channel, timeout_s: float) -> None:
+        channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=tuple(self._slots)), None,
+                     timeout_s)
+
+    def payload(self, channel: Channel, header: Header, timeout_s: float) -> torch.Tensor:
+        if header.slot < 0:
+            return self._fallback.payload(channel, header, timeout_s)
+        if header.slot not in self._out:
+            raise ProtocolError(f"LAYER names slot {header.slot}, which this pair does not "
+                                "hold now")
+        nbytes = wire.payload_nbytes(header.shape, header.dtype)
+        if nbytes > self._pool.slot_bytes:
+            raise ProtocolError(f"LAYER of {nbytes} bytes does not fit a slot")
+        self._out.discard(header.slot)
+        return wire.carrier_view(self._pool.view(header.slot, nbytes), header.shape,
+                                 header.dtype)
+
+    def release(self, channel: Channel, header: Header, timeout_s: float) -> None:
+        if header.kind is Kind.LAYER and header.slot >= 0:
+            self._out.add(header.slot)
+            channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=(header.slot,)), None,
+                         timeout_s)
+
+    def close(self, clean: bool) -> None:
+        if self._pool is not None and self._slots:
+            self._pool.give_back(self._slots, quarantined=not clean)
+            self._slots = []
+
+
+def _part(header: Header, ticket: bytes, a: int, b: int) -> Header:
+    """Blocks [a, b) of a LAYER header, tagged again under the transfer's ticket."""
+    part = dataclasses.replace(header, blocks=header.blocks[a:b],
+                               shape=(b - a, *header.shape[1:]), tag=b"")
+    return auth.tagged(part, ticket)

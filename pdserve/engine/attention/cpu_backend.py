@@ -1,0 +1,75 @@
+"""CPU paged attention that reads the cache blocks in place (C++ kernel, pdserve.kernels.cpu).
+
+Rows with few query tokens (decode, and decode + speculative tokens up to
+`MAX_KERNEL_QUERY`) go to the kernel, which walks each request's block table and reads its
+K and V rows where they lie: no gathered copy of the context per layer. Longer query segments
+(prefill chunks) keep the torch reference's SDPA path: there the one gather per chunk is
+shared by every query token and SDPA's blocked matmuls win. The packed FP8 KV cache is not
+read by the kernel: an FP8 cache runs the reference, whole (`TorchAttention`).
+
+Which rows go where is decided once per step in `prepare` (not once per layer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.attention.torch_ref import TorchAttention
+from pdserve.engine.quant.kv_fp8 import is_packed_fp8
+from pdserve.kernels.cpu import load_ops
+
+MAX_KERNEL_QUERY = 16
+"""Longest query segment the kernel takes; longer ones (prefill) run SDPA over a gather."""
+
+
+@dataclass(frozen=True)
+class CpuStepPlan:
+    kernel_seqs: torch.Tensor
+    """[n] int64: batch indices of the requests the kernel attends."""
+    reference_seqs: tuple[int, ...]
+    """Batch indices of the requests with long query segments (reference SDPA path)."""
+
+
+class CpuPagedAttention(TorchAttention):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self.ops = load_ops()
+        if self.ops is None:
+            raise RuntimeError("the CPU attention kernels could not be built here (see the "
+                               "warning); use attention_backend='torch'")
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        qs = meta.query_start
+        short = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] <= MAX_KERNEL_QUERY]
+        long = tuple(i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > MAX_KERNEL_QUERY)
+        plan = CpuStepPlan(torch.tensor(short, dtype=torch.int64), long)
+        return replace(meta, backend_plan=plan)
+
+    def traceable(self, cache: torch.Tensor) -> bool:
+        return not is_packed_fp8(cache)
+
+    def write_kv(self, cache, k, v, meta):
+        if is_packed_fp8(cache) or k.dtype != cache.dtype:
+            return super().write_kv(cache, k, v, meta)
+        self.ops.write_kv(cache, k.contiguous(), v.contiguous(), meta.slot_mapping)
+
+    def attend(self, q, cache, meta, scale, sliding_window):
+        plan = meta.backend_plan
+        if is_packed_fp8(cache) or q.dtype != cache.dtype or not isinstance(plan, CpuStepPlan):
+            return super().attend(q, cache, meta, scale, sliding_window)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        if plan.kernel_seqs.numel():
+            self.ops.paged_attention(out, q, cache, meta.block_tables, meta.seq_lens_t,
+                                     meta.query_start_t, plan.kernel_seqs, scale,
+                                     sliding_window or 0)
+        qs = meta.query_start
+        for i in plan.reference_seqs:
+            s, e = qs[i], qs[i + 1]
+            out[s:e] = self._prefill(q[s:e], cache, meta.block_tables[i], meta.seq_lens[i],
+                                     scale, sliding_window)
+        return out

@@ -1,0 +1,157 @@
+"""GGUF checkpoints: one `.gguf` file read through the `gguf` package's memory-mapped reader.
+
+The file is parsed once (`GGUFReader`); everything is checked up front, before a model is built:
+the architecture and hyper-parameters (gguf_config.py), every tensor's name and type
+(gguf_weights.py), so an unsupported file fails at start with an error naming what it lacks.
+Tensor data stays in the memory map until `iter_weights` converts one tensor at a time.
+
+The tokenizer is built from the metadata on demand (gguf_tokenizer.py; ~0.1 s for a 49k
+vocabulary), unless Hugging Face tokenizer files sit beside the file (`tokenizer_dir`): those are
+the model's own and win. The prepared default model (pdserve/default_model.py) uses this: its
+GGUF keeps the weights and hyper-parameters but not the vocabulary arrays, whose parsing by
+`GGUFReader` is most of a start-up (1.7 s of 1.8 s for SmolLM2's 49k tokens and merges).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdserve.engine.checkpoint.base import Checkpoint
+from pdserve.engine.checkpoint.gguf_config import model_config_from_gguf
+from pdserve.engine.checkpoint.gguf_tokenizer import GGUFVocab, build_tokenizer
+from pdserve.engine.checkpoint.gguf_weights import (
+    CONFIG_TENSORS,
+    PERMUTED_ARCHITECTURES,
+    SUPPORTED_TYPES,
+    dense,
+    hf_name,
+    is_linear,
+    load_tensor,
+    rotary_heads,
+)
+from pdserve.engine.model_config import ModelConfig
+from pdserve.engine.quant.int4_weight import Int4Weight
+from pdserve.tokenizer import Tokenizer
+
+_TOKENIZER_ARRAYS = ("tokens", "token_type", "merges", "scores")
+_SMALL_ARRAY = 1024  # arrays longer than this stay in the file (only their length is read)
+
+
+class GGUFCheckpoint(Checkpoint):
+    format = "gguf"
+
+    def __init__(self, path: Path, model_id: str | None = None,
+                 tokenizer_dir: Path | None = None) -> None:
+        """`tokenizer_dir`: Hugging Face tokenizer files to use instead of the metadata's."""
+        super().__init__(path)
+        self._model_id = model_id
+        self.tokenizer_dir = tokenizer_dir
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id or self.path.stem
+
+    # -- the file --------------------------------------------------------------------------
+
+    @cached_property
+    def reader(self):
+        import gguf
+
+        try:
+            return gguf.GGUFReader(self.path)
+        except (ValueError, OSError, IndexError, KeyError) as exc:
+            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        """Every scalar field, small arrays as lists, `<key>.count` for large ones."""
+        import gguf
+
+        meta: dict[str, Any] = {}
+        for key, field in self.reader.fields.items():
+            if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+                if len(field.data) > _SMALL_ARRAY:
+                    meta[f"{key}.count"] = len(field.data)
+                    continue
+            meta[key] = field.contents()
+        if int(meta.get("split.count", 1)) > 1:
+            raise ValueError(f"{self.path} is part of a split GGUF ({meta['split.count']} files): "
+                             "merge it first (llama-gguf-split --merge)")
+        return meta
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        """name -> the reader's tensor, after checking every name and type is loadable."""
+        out = {}
+        for t in self.reader.tensors:
+            kind = t.tensor_type.name
+            if kind not in SUPPORTED_TYPES:
+                raise ValueError(f"GGUF tensor {t.name!r} is stored as {kind}, which pdserve "
+                                 f"cannot load (supported: {', '.join(sorted(SUPPORTED_TYPES))})")
+            if t.name not in CONFIG_TENSORS:
+                hf_name(t.name)  # raises for a tensor the model has no place for
+            out[t.name] = t
+        return out
+
+    @staticmethod
+    def _shape(tensor) -> tuple[int, ...]:
+        # GGUF lists dims innermost first: [ne0 = in_features, ne1 = out_features].
+        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
+
+    # -- what the engine reads -----------------------------------------------------------------
+
+    def _read_model_config(self) -> ModelConfig:
+        tensors = self.tensors
+        freqs = tensors.get("rope_freqs.weight")
+        factors = () if freqs is None else tuple(dense(freqs.data, freqs.tensor_type.name,
+                                                       self._shape(freqs)).tolist())
+        shapes = {name: self._shape(t) for name, t in tensors.items()}
+        return model_config_from_gguf(self.metadata, shapes, factors,
+                                      self._float_dtype(), sorted(self.eos_token_ids))
+
+    def _float_dtype(self) -> str:
+        """The weights' own float type when every matrix has one (F16 / BF16), else float32:
+        quantised values are exact in float32 and not in the half types."""
+        kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) == 2}
+        return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(
+            frozenset(kinds), "float32")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """EOS plus llama.cpp's other end-of-generation tokens (EOT, EOM) when the file names
+        them."""
+        keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        return frozenset(int(v) for k in keys
+                         if isinstance(v := self.metadata.get(f"tokenizer.ggml.{k}"), int))
+
+    def tokenizer(self) -> Tokenizer:
+        if self.tokenizer_dir is not None:
+            return Tokenizer.from_pretrained(self.tokenizer_dir)
+        return build_tokenizer(self.vocab())
+
+    def vocab(self) -> GGUFVocab:
+        fields = self.reader.fields
+        arrays = {name: fields[f"tokenizer.ggml.{name}"].contents()
+                  for name in _TOKENIZER_ARRAYS if f"tokenizer.ggml.{name}" in fields}
+        return GGUFVocab.from_metadata(self.metadata, arrays)
+
+    def iter_weights(self, prefer_int4: bool = False
+                     ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+        cfg = self.model_config
+        permuted = self.metadata["general.architecture"] in PERMUTED_ARCHITECTURES
+        for name, t in self.tensors.items():
+            if name in CONFIG_TENSORS:
+                continue
+            heads = rotary_heads(name, cfg.num_heads, cfg.num_kv_heads) if permuted else None
+            yield hf_name(name), load_tensor(
+                t.data, t.tensor_type.name, self._shape(t), linear=is_linear(name),
+                prefer_int4=prefer_int4, permute_heads=heads)
+
+    def weight_shapes(self) -> dict[str, list[int]]:
+        return {hf_name(n): list(self._shape(t)) for n, t in self.tensors.items()
+                if n not in CONFIG_TENSORS}

@@ -1,0 +1,3 @@
+from pdserve.kernels.cpu import main
+
+main()

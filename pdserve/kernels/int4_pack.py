@@ -1,0 +1,43 @@
+"""The nibble layout of the W4A16 Triton kernel, and its torch reference (pure torch).
+
+`packed` uint8 [N, K / 2]: input features 2j and 2j + 1 of row n are the low and high nibble of
+byte j. With `scale` and `offset` [N, K / group]:
+
+    w[n, k] = q[n, k] * scale[n, k // group] + offset[n, k // group]
+
+Kept apart from `w4a16` (which imports triton) so CPU code can pack and check without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K] values in [0, 15] -> uint8 [N, K / 2] (even k low nibble, odd k high)."""
+    if q.dim() != 2 or q.shape[1] % 2:
+        raise ValueError(f"expected [N, K] with K even, got {list(q.shape)}")
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`."""
+    lo, hi = packed & 0xF, packed >> 4
+    return torch.stack([lo, hi], dim=-1).reshape(packed.shape[0], -1)
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+                      group_size: int) -> torch.Tensor:
+    """The fp32 [N, K] matrix a packed weight stands for."""
+    q = unpack_nibbles(packed).float()
+    n, k = q.shape
+    w = q.view(n, k // group_size, group_size) * scale.float().unsqueeze(-1)
+    return (w + offset.float().unsqueeze(-1)).view(n, k)
+
+
+def w4a16_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                     offset: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Torch reference: x [M, K] @ dequantised w^T -> [M, N] in x.dtype (fp32 arithmetic)."""
+    w = dequantize_packed(packed, scale, offset, group_size)
+    return (x.float() @ w.t()).to(x.dtype)

@@ -1,0 +1,174 @@
+"""A real Ray cluster of one or more raylets on this host, as an operator starts one:
+`ray start --head` and `ray start --address ...`, each node with its own CPUs and custom
+resources, all on loopback, with token authentication (`RAY_AUTH_MODE=token`, a token file of
+the test's own).
+
+    with RayNodes(tmp_path) as ray_nodes:
+        ray_nodes.add(num_cpus=2, resources={"decode_node": 1})   # the first one is the head
+        env = ray_nodes.env()          # what a `pdserve ray ...` child needs to connect
+        ray_nodes.stop_node(1)         # that raylet (and what runs on it) goes away
+
+Each node is a `ray start --block` child in its own session, every port chosen free, its own
+temp dir: nothing collides with another Ray on the machine, and stopping a node (SIGTERM to
+its `ray start`, SIGKILL to its session after a grace) never touches anyone else's (this never
+runs `ray stop`, which stops every Ray on the host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HOST = "127.0.0.1"
+TOKEN = secrets.token_hex(32)
+"""One token for every cluster this process starts: Ray caches the token it first reads, so a
+driver that connects to a second cluster must find the same one."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def ray_binary() -> str:
+    exe = Path(sys.executable).with_name("ray")
+    return str(exe) if exe.exists() else (shutil.which("ray") or "ray")
+
+
+@dataclass
+class RayNode:
+    index: int
+    proc: subprocess.Popen
+    resources: dict[str, float]
+    log: Path
+    node_manager_port: int
+    node_id: str = ""
+    """Ray's id of this raylet (known once it has joined)."""
+
+
+class RayNodes:
+    def __init__(self, tmp_dir: Path, startup_timeout_s: float = 90.0) -> None:
+        # Ray's unix socket paths must stay short (108 bytes): a short temp root of our own.
+        self.dir = Path(tmp_dir)
+        self.temp = Path(f"/tmp/pdray-{secrets.token_hex(3)}")
+        self.temp.mkdir()
+        self.token = self.dir / "ray-token"
+        self.token.write_text(TOKEN)
+        self.token.chmod(0o600)
+        self.gcs_port = free_port()
+        self.nodes: list[RayNode] = []
+        self.startup_timeout_s = startup_timeout_s
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.gcs_port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process that talks to this cluster (a `pdserve ray` CLI)."""
+        # No memory monitor: on a shared test machine Ray would kill this cluster's actors for
+        # memory that other processes use (it judges the whole host).
+        return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token),
+                "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_memory_monitor_refresh_ms": "0", **extra}
+
+    def add(self, num_cpus: float, resources: dict[str, float] | None = None,
+            num_gpus: int = 0) -> RayNode:
+        """Start one more raylet (the first is the head) and wait until the cluster sees it."""
+        index = len(self.nodes)
+        resources = dict(resources or {})
+        manager_port = free_port()
+        argv = [ray_binary(), "start", "--block", "--node-ip-address", HOST,
+                f"--num-cpus={num_cpus}", f"--num-gpus={num_gpus}",
+                f"--resources={json.dumps(resources)}", "--disable-usage-stats",
+                f"--node-manager-port={manager_port}", f"--object-manager-port={free_port()}",
+                f"--dashboard-agent-listen-port={free_port()}",
+                f"--dashboard-agent-grpc-port={free_port()}",
+                f"--runtime-env-agent-port={free_port()}",
+                f"--metrics-export-port={free_port()}", "--object-store-memory=100000000"]
+        if index == 0:
+            argv += ["--head", f"--port={self.gcs_port}", "--include-dashboard=false",
+                     f"--ray-client-server-port={free_port()}", f"--temp-dir={self.temp}"]
+        else:
+            argv += [f"--address={self.address}"]
+        log = self.dir / f"ray-node-{index}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
+                                    env=self.env(), start_new_session=True)
+        node = RayNode(index, proc, resources, log, manager_port)
+        self.nodes.append(node)
+        self._wait_nodes(sum(1 for n in self.nodes if n.proc.poll() is None), node)
+        for attempt in range(3):
+            try:
+                ids = {port: nid for nid, port in self._query(
+                    "[[n['NodeID'], n['NodeManagerPort']] for n in ray.nodes() if n['Alive']]")}
+                break
+            except (ValueError, IndexError, subprocess.TimeoutExpired):
+                if attempt == 2:
+                    raise
+        node.node_id = ids[manager_port]
+        return node
+
+    def _wait_nodes(self, alive: int, node: RayNode) -> None:
+        end = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < end:
+            if node.proc.poll() is not None:
+                raise RuntimeError(f"ray start (node {node.index}) exited "
+                                   f"{node.proc.returncode}:\n{node.log.read_text()[-3000:]}")
+            if self.alive_nodes() >= alive:
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"node {node.index} did not join:\n{node.log.read_text()[-3000:]}")
+
+    def alive_nodes(self) -> int:
+        """How many raylets the GCS counts as alive (-1 while it does not answer)."""
+        try:
+            return self._query("sum(1 for n in ray.nodes() if n['Alive'])")
+        except (ValueError, IndexError, subprocess.TimeoutExpired):
+            return -1  # not answering yet (or a loaded machine): the caller polls again
+
+    def _query(self, expression: str):
+        """`expression` evaluated by a driver of this cluster (in its own process), as JSON."""
+        code = ("import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
+                f"print(json.dumps({expression}))")
+        done = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(),
+                              capture_output=True, text=True, timeout=120)
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def by_id(self, node_id: str) -> RayNode:
+        return next(n for n in self.nodes if n.node_id == node_id)
+
+    def stop_node(self, index: int, grace_s: float = 15.0) -> None:
+        """Stop one raylet and everything it runs (its worker processes die with it)."""
+        node = self.nodes[index]
+        if node.proc.poll() is None:
+            node.proc.send_signal(signal.SIGTERM)
+            try:
+                node.proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(node.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        node.proc.wait()
+
+    def close(self) -> None:
+        for node in reversed(self.nodes):  # workers first, the head (GCS) last
+            self.stop_node(node.index)
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def __enter__(self) -> RayNodes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

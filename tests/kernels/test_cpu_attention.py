@@ -1,0 +1,89 @@
+"""The C++ CPU paged attention (pdserve.kernels.cpu) against the torch reference, its oracle.
+
+Ragged batches of decode rows, speculative-verify rows and prefill chunks over a shuffled,
+garbage-filled cache; GQA group sizes, sliding windows, fp32 / bf16 / fp16. The backend
+(`CpuPagedAttention`) must write the cache exactly like the reference and attend within
+rounding; a packed FP8 cache runs the reference itself. A source that does not compile falls
+back with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from pdserve.engine.attention.backend import get_backend, resolve_backend_name
+from pdserve.engine.attention.cpu_backend import CpuPagedAttention
+from pdserve.engine.attention.torch_ref import TorchAttention
+from pdserve.kernels import cpu as cpu_kernels
+from tests.kernels.cases import make_case, with_packed_fp8_cache
+
+ATOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuPagedAttention:
+    assert cpu_kernels.load_ops() is not None, "the CPU kernels must build on this machine"
+    return CpuPagedAttention()
+
+
+def _both(backend, case, window):
+    out = []
+    for b in (backend, TorchAttention()):
+        cache = case.cache.clone()
+        b.write_kv(cache, case.k, case.v, case.meta)
+        meta = b.prepare(case.meta)
+        out.append((cache, b.attend(case.q, cache, meta, case.scale, window)))
+    return out
+
+
+@pytest.mark.parametrize("q_lens,ctx_lens,window", [
+    ([1, 1, 1], [1, 9, 38], None),       # decode, contexts within and across blocks
+    ([1, 4, 1], [30, 12, 7], None),      # a speculative-verify row among decode rows
+    ([1, 20, 3], [17, 20, 25], None),    # a fresh prefill (reference path) beside the kernel
+    ([1, 3, 1], [40, 19, 6], 5),         # sliding window
+])
+def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
+    case = make_case(q_lens, ctx_lens, heads=6, kv_heads=2, seed=sum(ctx_lens))
+    (cache_k, out_k), (cache_r, out_r) = _both(backend, case, window)
+    assert torch.equal(cache_k, cache_r)
+    torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (2, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_any_group_size_and_dtype(backend, heads, kv_heads, dtype):
+    case = make_case([1, 1, 2], [13, 33, 5], heads=heads, kv_heads=kv_heads, head_dim=24,
+                     block_size=8, dtype=dtype, seed=heads)
+    (cache_k, out_k), _ = _both(backend, case, None)
+    ref = TorchAttention().attend(case.q.float(), cache_k.float(), case.meta, case.scale, None)
+    assert out_k.dtype == dtype
+    torch.testing.assert_close(out_k.float(), ref, atol=ATOL[dtype], rtol=0)
+
+
+def test_packed_fp8_cache_runs_the_reference(backend):
+    q_lens, ctx_lens = [1, 1], [9, 14]
+    case = with_packed_fp8_cache(make_case(q_lens, ctx_lens, seed=3), q_lens, ctx_lens, seed=3)
+    (cache_k, out_k), (cache_r, out_r) = _both(backend, case, None)
+    assert torch.equal(cache_k, cache_r)
+    assert torch.equal(out_k, out_r)
+
+
+def test_auto_picks_the_kernel_on_cpu():
+    assert resolve_backend_name("auto", "cpu") == "cpu"
+    assert isinstance(get_backend("auto", "cpu"), CpuPagedAttention)
+
+
+def test_a_failed_build_falls_back_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    bad = tmp_path / "broken.cpp"
+    bad.write_text("this is not C++\n")
+    with pytest.warns(RuntimeWarning, match="could not be built") as record:
+        assert not cpu_kernels.build("pdserve_cpu_broken_test", ["-O0"], (bad,))
+    assert len(record) == 1
+    monkeypatch.setattr(cpu_kernels, "load_ops", lambda: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_backend_name("auto", "cpu") == "torch"

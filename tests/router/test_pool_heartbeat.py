@@ -1,0 +1,78 @@
+"""Heartbeats against fake workers on loopback: a worker that stops answering leaves its pool
+within the heartbeat timeout (plus a tick), its watchers are told at once, the other workers'
+polls go on meanwhile, and it is back as soon as it answers again."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.proto import worker_pb, worker_pb_grpc
+from router.pool import WorkerPool
+
+PERIOD, HEARTBEAT = 0.05, 0.4
+
+
+class FakeWorker(worker_pb_grpc.WorkerServicer):
+    def __init__(self) -> None:
+        self.polls = 0
+        self.answering = asyncio.Event()
+        self.answering.set()
+
+    async def GetInfo(self, request, context):
+        return worker_pb.WorkerInfo(role="decode", model_id="m", block_size=16)
+
+    async def GetStats(self, request, context):
+        await self.answering.wait()  # a stopped process: the call just hangs
+        self.polls += 1
+        return worker_pb.WorkerStats(role="decode")
+
+
+async def serve() -> tuple[grpc.aio.Server, str, FakeWorker]:
+    servicer = FakeWorker()
+    server = grpc.aio.server()
+    worker_pb_grpc.add_WorkerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, f"127.0.0.1:{port}", servicer
+
+
+async def until(check, timeout_s: float = 10.0) -> float:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not check():
+        assert loop.time() - start < timeout_s, "condition not reached"
+        await asyncio.sleep(0.005)
+    return loop.time() - start
+
+
+def test_a_silent_worker_leaves_within_the_heartbeat_timeout_and_comes_back():
+    async def go():
+        (s1, a1, hung), (s2, a2, fine) = await serve(), await serve()
+        pool = WorkerPool("decode", (a1, a2), PERIOD, HEARTBEAT)
+        await pool.start()
+        try:
+            w1, w2 = pool.workers
+            await until(lambda: w1.healthy and w2.healthy)
+            told = []
+            w1.watch(lambda: told.append("down"))
+            hung.answering.clear()
+            polls = fine.polls
+            took = await until(lambda: not w1.healthy)
+            assert told == ["down"] and w1.down.is_set()
+            assert took < HEARTBEAT + 2 * PERIOD + 2.0  # bounded (the slack: a busy machine)
+            assert fine.polls > polls + 3 and w2.healthy  # the hung worker delayed nobody
+            hung.answering.set()
+            await until(lambda: w1.healthy)
+            assert not w1.down.is_set()  # a fresh event for the next outage
+            w1.watch(lambda: told.append("again"))
+            pool.mark_failed(w1)  # a failed call takes it out at once, watchers told
+            assert told == ["down", "again"]
+        finally:
+            hung.answering.set()
+            await pool.close()
+            await s1.stop(None)
+            await s2.stop(None)
+
+    asyncio.run(go())
