@@ -38,8 +38,10 @@ class Overloaded(FlowError):
 
 
 class AdmissionGate:
-    def __init__(self, config: RouterConfig, prefill: WorkerPool, decode: WorkerPool,
-                 limits: RequestLimits, metrics: RouterMetrics) -> None:
+    def __init__(self, config: RouterConfig, prefill: WorkerPool | None,
+                 decode: WorkerPool | None, limits: RequestLimits,
+                 metrics: RouterMetrics) -> None:
+        """A pool may be None (a frontend over a scripted flow): it has no workers."""
         self.config, self.limits, self.metrics = config, limits, metrics
         self.prefill, self.decode = prefill, decode
         self._remaining: dict[str, int] = {}  # output tokens each request may still produce
@@ -53,11 +55,11 @@ class AdmissionGate:
         """The decode workers that may take the request (its `n` choices together);
         `Overloaded` if none may. None when there is no healthy decode worker at all: the
         flow answers that (UNAVAILABLE, retryable)."""
-        healthy = self.decode.healthy()
+        healthy = self.decode.healthy() if self.decode is not None else []
         if not healthy:
             return None
         n_prompt, max_out = len(req.prompt_token_ids), self._max_out(req)
-        prefill = self.prefill.healthy()
+        prefill = self.prefill.healthy() if self.prefill is not None else []
         remote = policy.prefill_remotely(n_prompt, 0, self.config.local_prefill_tokens,
                                          bool(prefill))
         size = admission.RequestSize(n_prompt, max_out, timeout_s, remote, max(n, 1))
@@ -103,7 +105,7 @@ class AdmissionGate:
             self.metrics.admission_slowdown.set(self.slowdown.factor)
 
     def _decode_models(self):
-        for w in self.decode.healthy():
+        for w in self.decode.healthy() if self.decode is not None else ():
             step = _step(w.stats)
             if step is not None:
                 occ = max(int(w.stats.num_running + w.stats.num_waiting), w.inflight)

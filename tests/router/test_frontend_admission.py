@@ -11,6 +11,7 @@ from contextlib import aclosing
 import pytest
 
 from pdserve.demo_model import write_tokenizer_files
+from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import worker_pb
 from pdserve.tokenizer import Tokenizer
@@ -30,7 +31,7 @@ class HeldFlow:
         self.release = asyncio.Event()
         self.allowed: list[frozenset[str] | None] = []
 
-    async def run(self, rid, req, timeout_s, timings, decode_allowed=None):
+    async def run(self, rid, req, timeout_s, timings, n=1, decode_allowed=None):
         self.allowed.append(decode_allowed)
         w = next(w for w in self.decode.workers if decode_allowed is None
                  or w.address in decode_allowed)
@@ -38,7 +39,7 @@ class HeldFlow:
         try:
             await self.release.wait()
             yield TokenEvent([5])
-            yield FinishEvent("length", len(req.prompt_token_ids), 1, 0)
+            yield FinishEvent(FinishReason.LENGTH, len(req.prompt_token_ids), 1, 0)
         finally:
             w.inflight -= 1
 

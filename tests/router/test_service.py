@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from pdserve.demo_model import write_tokenizer_files
+from pdserve.engine.finish import FinishReason
 from pdserve.proto import pb, pb_grpc
 from pdserve.serving.grpc_server import start_server
 from pdserve.tokenizer import Tokenizer
@@ -28,12 +29,14 @@ class Frontend:
         self.refuse = refuse
         self.requests = []
 
-    async def generate(self, req, timeout_s):
+    async def generate_choices(self, reqs, n, timeout_s):
+        (req,) = reqs
         self.requests.append(req)
         if self.refuse is not None:
             raise Overloaded("over capacity: decode queue full", self.refuse)
         yield OutputChunk([7], "x")
-        yield OutputChunk([], "", [], "length", Usage(len(req.prompt_token_ids), 1, 0))
+        yield OutputChunk([], "", [], FinishReason.LENGTH,
+                          Usage(len(req.prompt_token_ids), 1, 0))
 
 
 @pytest.fixture(scope="module")
