@@ -2,7 +2,8 @@
 is far over capacity.
 
     python bench/chaos_bench.py [--rows decode-kill,prefill-kill,decode-stop,router-restart,
-        overload,huge-prompt,burst] [--model DIR] [--requests 200] [--concurrency 8]
+        overload,huge-prompt,burst,router-drain,decode-drain] [--model DIR] [--requests 200]
+        [--concurrency 8]
         [--max-tokens 32] [--deadline 30]
 
 Fault rows start a fresh supervised cluster (what `pdserve up` runs: a killed process is
@@ -15,6 +16,12 @@ the fault once 30% of them have completed:
     prefill-kill    SIGKILL one prefill worker
     decode-stop     SIGSTOP one decode worker for --stop-s (20) seconds, then SIGCONT
     router-restart  SIGKILL the router (the supervisor starts it again on its port)
+
+Drain rows (1 prefill worker; --drain-streams streams of --drain-tokens tokens, each already
+streaming, then SIGTERM; the router runs with --shutdown-grace 60):
+
+    router-drain    SIGTERM the router (1 decode worker)
+    decode-drain    SIGTERM one of 2 decode workers
 
 Load rows use 1 prefill + 1 decode worker (the `pdserve up` default):
 
@@ -63,6 +70,7 @@ from pdserve.proto import pb, pb_grpc  # noqa: E402
 
 FAULT_ROWS = ("decode-kill", "prefill-kill", "decode-stop", "router-restart")
 LOAD_ROWS = ("overload", "burst", "huge-prompt")
+DRAIN_ROWS = ("router-drain", "decode-drain")
 
 
 @dataclass
@@ -115,6 +123,53 @@ async def closed_loop(address: str, reqs: list[pb.GenerateRequest], concurrency:
             return out
 
         return list(await asyncio.gather(*(run(i, r) for i, r in enumerate(reqs))))
+
+
+# -- graceful drain --------------------------------------------------------------------------
+
+
+def drain_row(row: str, a, model: Path, logs: Path, reqs, expected) -> dict:
+    """`--drain-streams` streams in flight (each has its first tokens), then SIGTERM to the
+    router (`router-drain`) or to one of two decode workers (`decode-drain`): how many of
+    them complete, and how long the process took to exit."""
+    decode = 2 if row == "decode-drain" else 1
+    cluster = start(model, logs / row, 1, decode, ("--shutdown-grace", "60"))
+    try:
+        victim = cluster.router if row == "router-drain" else cluster.workers("decode")[0]
+        proc = victim.proc  # this process, not the one the supervisor starts after it
+        signalled, exited = [0.0], [None]
+
+        async def main() -> list[Outcome]:
+            async with grpc.aio.insecure_channel(cluster.address) as ch:
+                stub = pb_grpc.PDServeStub(ch)
+                outs = [Outcome(i) for i in range(len(reqs))]
+
+                async def stream(o: Outcome, r) -> None:
+                    o.start = time.monotonic()
+                    try:
+                        async for msg in stub.Generate(r, timeout=a.timeout):
+                            o.tokens.extend(msg.token_ids)
+                    except grpc.aio.AioRpcError as exc:
+                        o.status, o.detail = exc.code().name, exc.details() or ""
+                    o.end = time.monotonic()
+
+                tasks = [asyncio.create_task(stream(o, r))
+                         for o, r in zip(outs, reqs, strict=True)]
+                while not all(o.tokens or t.done() for o, t in zip(outs, tasks, strict=True)):
+                    await asyncio.sleep(0.02)
+                signalled[0] = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                while proc.poll() is None and time.monotonic() < signalled[0] + 120:
+                    await asyncio.sleep(0.05)
+                exited[0] = time.monotonic() - signalled[0] if proc.poll() is not None \
+                    else None
+                await asyncio.gather(*tasks)
+                return outs
+
+        outs = asyncio.run(main())
+    finally:
+        cluster.stop()
+    return {**summarize(row, outs, expected, signalled[0]), "exit_s": exited[0]}
 
 
 # -- clusters --------------------------------------------------------------------------------
@@ -206,6 +261,9 @@ def summarize(row: str, outs: list[Outcome], expected, fault_at: float | None) -
         "p99_s": percentile(lat, 0.99),
         "recovery_s": (max(o.end for o in failed) - fault_at
                        if failed and fault_at is not None else 0.0),
+        # Lost while running (sent before the fault) vs refused while a process was away.
+        "cut_in_flight": (sum(1 for o in failed if o.start < fault_at)
+                          if fault_at is not None else 0),
     }
 
 
@@ -357,12 +415,16 @@ def main() -> None:
     p.add_argument("--capacity-concurrency", type=int, default=128)
     p.add_argument("--burst-requests", type=int, default=300)
     p.add_argument("--stop-s", type=float, default=20.0)
+    p.add_argument("--drain-streams", type=int, default=10,
+                   help="drain rows: streams in flight at the SIGTERM")
+    p.add_argument("--drain-tokens", type=int, default=96,
+                   help="drain rows: max_tokens of each stream")
     p.add_argument("--fail-pause", type=float, default=0.1,
                    help="fault rows: a client's pause after a failed request")
     p.add_argument("--out", default="bench/results/chaos_bench.json")
     a = p.parse_args()
     rows = [r for r in a.rows.split(",") if r]
-    unknown = set(rows) - set(FAULT_ROWS + LOAD_ROWS)
+    unknown = set(rows) - set(FAULT_ROWS + LOAD_ROWS + DRAIN_ROWS)
     if unknown:
         p.error(f"unknown rows: {sorted(unknown)}")
     model = Path(a.model) if a.model else ensure_demo_model()
@@ -383,13 +445,20 @@ def main() -> None:
             r["p99_vs_no_fault"] = (r["p99_s"] / base["p99_s"]) if r["p99_s"] and base[
                 "p99_s"] else None
             results.append(r)
+    drains = [r for r in rows if r in DRAIN_ROWS]
+    if drains:
+        dprompts = prompts[:a.drain_streams]
+        dreqs = [request(pr, a.drain_tokens) for pr in dprompts]
+        dexpected = engine_outputs(model, dprompts, a.drain_tokens)
+        results += [drain_row(row, a, model, logs, dreqs, dexpected) for row in drains]
     for row in ("overload", "burst"):
         if row in rows:
             results += load_row(row, a, model, logs, prompts)
     if "huge-prompt" in rows:
         results += huge_prompt_row(model, logs)
     print_table(results, ["row", "requests", "ok_pct", "failures", "wrong_outputs", "p99_s",
-                          "p99_vs_no_fault", "recovery_s", "back_s", "offered", "capacity",
+                          "p99_vs_no_fault", "recovery_s", "cut_in_flight", "back_s",
+                          "exit_s", "offered", "capacity",
                           "completed_vs_capacity", "refusal_p99_s", "slowdown", "refused_in_s",
                           "client_serialize_s", "health_p99_s", "small_request_s"])
     path = write_json(a.out, {"args": vars(a), "load_average": os.getloadavg(),
