@@ -145,3 +145,14 @@ def test_the_slowdown_follows_what_streams_see_and_scales_step_times():
     slow.observe(observed_s=100.0, predicted_s=0.01)  # a stall counts, bounded
     assert slow.factor <= 12.0
     assert slow.scale(None) is None
+
+
+def test_a_request_with_n_choices_takes_n_places_on_its_worker():
+    unmeasured = worker(occupancy=2, max_seqs=4, step=None)  # takes only what starts at once
+    assert decide([unmeasured], [], RequestSize(20, 64, 120.0, False, count=2)).admitted
+    assert not decide([unmeasured], [], RequestSize(20, 64, 120.0, False, count=3)).admitted
+    # Measured: its last choice lands in a batch of occupancy + n.
+    w = worker(occupancy=5)
+    one = decide([w], [], size(deadline=64 * STEP.seconds(6) / 0.9 + 0.01))
+    three = decide([w], [], RequestSize(20, 64, 64 * STEP.seconds(6) / 0.9 + 0.01, False, 3))
+    assert one.admitted and not three.admitted and three.retry_after_s > 0

@@ -129,3 +129,28 @@ def test_an_admission_refusal_carries_retry_after_ms(tokenizer):
     (code, trailing), _ = call(tokenizer, scenario, refuse=1.25)
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert trailing[RETRY_AFTER_KEY] == "1250"
+
+
+def test_a_chat_over_the_byte_bound_is_refused_before_its_template_and_one_within_runs(
+        tokenizer):
+    def chat(content: str, messages: int = 1) -> pb.GenerateRequest:
+        return pb.GenerateRequest(chat=pb.ChatPrompt(messages=[
+            pb.ChatMessage(role="user", content=content) for _ in range(messages)]))
+
+    async def scenario(ch):
+        stub = pb_grpc.PDServeStub(ch)
+        out = []
+        for req in (chat("a" * (LIMITS.max_prompt_bytes + 1)), chat("", LIMITS.max_model_len),
+                    chat("hi")):
+            try:
+                msgs = [m async for m in stub.Generate(req, timeout=10)]
+                out.append(msgs[-1].finish_reason)
+            except grpc.aio.AioRpcError as exc:
+                out.append(exc.code())
+        return out
+
+    codes, fe = call(tokenizer, scenario)
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT,
+                     pb.FINISH_REASON_LENGTH]
+    assert [r.prompt_token_ids for r in fe.requests] == [
+        tokenizer.encode_chat([{"role": "user", "content": "hi"}])]
