@@ -138,7 +138,8 @@ def ssd_read_only(blocks: int, repeats: int) -> dict:
             record.WRITE_CHECKSUM, ssd_mod.MAX_READ_BYTES = saved
             for ssd in stores.values():
                 ssd.close()
-    return {name: _summary(rs) for name, rs in runs.items()}
+    return {name: {**_summary(rs), "checksum": VARIANTS[name][0].name,
+                   "max_read_bytes": VARIANTS[name][1]} for name, rs in runs.items()}
 
 
 def _summary(rs: list[dict]) -> dict:
