@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 #          6 - KVEndpoint.nixl: a receiver's NIXL landing pool (agent metadata and slot
 #              layout), sent with the endpoints of DecodeReady / KVTarget / PushKVRequest
 #              only (never in WorkerInfo); senders with NIXL write KV into it.
-WORKER_API_VERSION = 6
+#          7 - WorkerStats.step_model and WorkerInfo.max_num_seqs / max_num_batched_tokens
+#              (the router's admission control reads them).
+WORKER_API_VERSION = 7
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",
