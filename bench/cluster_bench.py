@@ -1,6 +1,7 @@
 """Cluster latency: TTFT breakdown, and TTFT/TPOT of the cluster vs the single-process engine.
 
     python bench/cluster_bench.py [--prompt-tokens 2048] [--requests 6] [--max-tokens 32]
+        [--model demo|default] [--kv-transports gloo [nixl ...]] [--skip-engine]
 
 Both systems get the same prompts one at a time (latency, not throughput) and the same total
 cores: the engine runs with all of this machine's threads, the cluster gives each of its two
@@ -8,7 +9,10 @@ workers half. TTFT parts come from the workers' counters: queueing and compute o
 worker, and the exposed transfer (how long the decode worker still waited for KV after the
 prefill finished) on the decode worker. The transfer's hidden share is 1 - exposed / transfer
 time, where the transfer time is the sender's own per-request latency (first layer queued to
-DONE sent).
+DONE sent). With several `--kv-transports`, one cluster per transport runs the same prompts
+(`--kv-transport` of every worker), and the breakdown has a row per transport; `--model
+default` is the real default model (SmolLM2-135M-Instruct) instead of the demo model, and
+`--skip-engine` leaves out the single-process comparison.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch  # noqa: E402
 
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.client import Client  # noqa: E402
+from pdserve.default_model import ensure_default_model  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
 from pdserve.engine.config import EngineConfig  # noqa: E402
 from pdserve.engine.engine import LLMEngine  # noqa: E402
@@ -67,10 +72,11 @@ def counters(cluster: LocalCluster, address: str) -> dict[str, float]:
     return dict(s.counters)
 
 
-def cluster_latency(model: Path, ps, max_tokens: int, logs: str):
+def cluster_latency(model: Path | None, ps, max_tokens: int, logs: str, transport: str):
     threads = max(1, (os.cpu_count() or 2) // 2)
-    spec = ClusterSpec(model=str(model), port=0, threads_per_worker=threads, log_dir=logs,
-                       worker_args=("--dtype", "float32", "--no-prefix-caching"))
+    spec = ClusterSpec(model=str(model or ""), port=0, threads_per_worker=threads, log_dir=logs,
+                       worker_args=("--dtype", "float32", "--no-prefix-caching",
+                                    "--kv-transport", transport))
     with LocalCluster(spec) as cluster, Client(cluster.address) as client:
         p_addr = cluster.workers("prefill")[0].info["address"]
         d_addr = cluster.workers("decode")[0].info["address"]
@@ -100,37 +106,54 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--requests", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--model", default="demo", choices=["demo", "default"])
+    ap.add_argument("--kv-transports", nargs="+", default=["gloo"],
+                    choices=["gloo", "nixl"])
+    ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--output", default="bench/results/cluster.json")
     a = ap.parse_args()
-    model = ensure_demo_model()
+    model = ensure_demo_model() if a.model == "demo" else None  # None: the default model
     ps = prompts(a.requests, a.prompt_tokens)
-    with tempfile.TemporaryDirectory() as logs:
-        c_lat, dp, dd = cluster_latency(model, ps, a.max_tokens, logs)
-    e_lat = engine_latency(model, ps, a.max_tokens)
-    n = a.requests
+    runs = {}
+    for t in a.kv_transports:
+        with tempfile.TemporaryDirectory() as logs:
+            runs[t] = cluster_latency(model, ps, a.max_tokens, logs, t)
     mean = statistics.mean
-    c_ttft, c_tpot = mean(x[0] for x in c_lat), mean(x[1] for x in c_lat)
-    e_ttft, e_tpot = mean(x[0] for x in e_lat), mean(x[1] for x in e_lat)
+    rows, breakdowns = [], []
+    if not a.skip_engine:
+        e_lat = engine_latency(model or ensure_default_model(), ps, a.max_tokens)
+        rows.append({"system": "single-process engine", "ttft_s": mean(x[0] for x in e_lat),
+                     "tpot_ms": mean(x[1] for x in e_lat) * 1e3})
+    for t, (c_lat, dp, dd) in runs.items():
+        row = {"system": f"cluster 1P+1D ({t})", "ttft_s": mean(x[0] for x in c_lat),
+               "tpot_ms": mean(x[1] for x in c_lat) * 1e3}
+        rows.append(row)
+        if not a.skip_engine:
+            rows.append({"system": f"ratio cluster ({t}) / engine",
+                         "ttft_s": row["ttft_s"] / rows[0]["ttft_s"],
+                         "tpot_ms": row["tpot_ms"] / rows[0]["tpot_ms"]})
+        breakdowns.append(breakdown(t, row["ttft_s"], dp, dd, a.requests))
+    print(f"\nLatency, {a.model} model, {a.prompt_tokens}-token prompts, {a.max_tokens} new "
+          f"tokens, one at a time, load average {os.getloadavg()[0]:.1f}")
+    print_table(rows, ["system", "ttft_s", "tpot_ms"])
+    print("\nCluster TTFT breakdown (means per request)")
+    print_table(breakdowns, list(breakdowns[0]))
+    path = write_json(a.output, {"model": a.model, "latency": rows, "breakdown": breakdowns})
+    print(f"\nwrote {path}")
+
+
+def breakdown(transport: str, ttft: float, dp: dict, dd: dict, n: int) -> dict:
     queue = dp.get("queue_s", 0) / n
     compute = dp.get("compute_s", 0) / n
     exposed = dd.get("kv_exposed_s", 0) / max(dd.get("kv_transfers", 0), 1)
     transfer = dp.get("kv_transfer_s", 0) / max(dp.get("kv_transfers_done", 0), 1)
     kv_bytes = dp.get("kv_bytes", 0) / n
-    rows = [
-        {"system": "single-process engine", "ttft_s": e_ttft, "tpot_ms": e_tpot * 1e3},
-        {"system": "cluster 1P+1D", "ttft_s": c_ttft, "tpot_ms": c_tpot * 1e3},
-        {"system": "ratio cluster/engine", "ttft_s": c_ttft / e_ttft, "tpot_ms": c_tpot / e_tpot},
-    ]
-    print(f"\nLatency, {a.prompt_tokens}-token prompts, {a.max_tokens} new tokens, one at a time")
-    print_table(rows, ["system", "ttft_s", "tpot_ms"])
-    breakdown = {"ttft_s": c_ttft, "prefill_queue_s": queue, "prefill_compute_s": compute,
-                 "exposed_transfer_s": exposed, "router_and_rpc_s": c_ttft - queue - compute,
-                 "kv_bytes_per_request": kv_bytes, "transfer_s": transfer,
-                 "transfer_GB_s": kv_bytes / transfer / 1e9 if transfer else None,
-                 "hidden_share": 1 - exposed / transfer if transfer else None}
-    print("\nCluster TTFT breakdown (means per request)")
-    print_table([breakdown], list(breakdown))
-    print(f"\nwrote {write_json(a.output, {'latency': rows, 'breakdown': breakdown})}")
+    return {"transport": transport, "ttft_s": ttft, "prefill_queue_s": queue,
+            "prefill_compute_s": compute, "exposed_transfer_s": exposed,
+            "exposed_share_of_ttft": exposed / ttft, "router_and_rpc_s": ttft - queue - compute,
+            "kv_MiB_per_request": kv_bytes / 2**20, "transfer_s": transfer,
+            "transfer_GB_s": kv_bytes / transfer / 1e9 if transfer else None,
+            "hidden_share": 1 - exposed / transfer if transfer else None}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ tokens/s at batch 1 and batch 8, side by side in one run. Issue 15.
 
     .venv/bin/pip install llama-cpp-python      # bench-only; builds llama.cpp (~11 min)
     .venv/bin/python bench/cpu_anchor.py [--repeats 3] [--threads 2] [--new 128]
-        [--quantization int4]
+        [--quantization int4] [--without-llama-cpp]
 
 Both read the default model's file (SmolLM2-135M-Instruct, Q4_1): llama.cpp computes on the
 4-bit blocks as stored; pdserve dequantises to fp32 (default) or, with `--quantization int4`,
@@ -12,6 +12,8 @@ each. Decode tokens/s = (batch x (new - 1)) / the time from every request's firs
 last token: prefill is left out on both sides. llama.cpp runs a batch as `batch` sequences of
 one context (n_seq_max = batch), one `llama_decode` per step over all of them; pdserve is
 its engine stepping its continuous batch. Engines alternate within each repeat; medians.
+`--without-llama-cpp` (where the package is not built): the comparison is pdserve with
+`--quantization` against pdserve fp32 on the same file, in the same run, and no anchor.
 Writes bench/results/cpu_anchor.json.
 """
 
@@ -121,6 +123,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--quantization", default=None, help="pdserve weights: None (fp32), int4")
     ap.add_argument("--compile-decode", default="off")
+    ap.add_argument("--without-llama-cpp", action="store_true",
+                    help="llama-cpp-python not installed: pdserve's weights against pdserve "
+                         "fp32 in the same run instead (no anchor ratio)")
     ap.add_argument("--output", default="bench/results/cpu_anchor.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -128,9 +133,20 @@ def main() -> None:
     ours = LLM(str(ensure_default_model()), quantization=a.quantization,
                compile_decode=a.compile_decode, enable_prefix_caching=False,
                kv_cache_memory_gb=0.5)
-    theirs = LlamaCpp(gguf, a.threads, max(a.batches), n_ctx=max(a.batches) * (128 + a.new))
+    if a.without_llama_cpp:
+        other_name = "pdserve_fp32"
+        fp32 = LLM(str(ensure_default_model()), enable_prefix_caching=False,
+                   kv_cache_memory_gb=0.5)
+        run_pdserve(fp32, prompts_for(2), 4)
+
+        def theirs_run(prompts, new):
+            return run_pdserve(fp32, prompts, new)
+    else:
+        other_name = "llama_cpp"
+        theirs = LlamaCpp(gguf, a.threads, max(a.batches), n_ctx=max(a.batches) * (128 + a.new))
+        theirs.run(prompts_for(1), 4)
+        theirs_run = theirs.run
     run_pdserve(ours, prompts_for(2), 4)  # warm (and compile) first
-    theirs.run(prompts_for(1), 4)
     rows, raw = [], {}
     for batch in a.batches:
         prompts = prompts_for(batch, seed=batch)
@@ -138,24 +154,26 @@ def main() -> None:
         for _ in range(a.repeats):
             dt, tok_ours = run_pdserve(ours, prompts, a.new)
             t_ours.append(dt)
-            dt, tok_theirs = theirs.run(prompts, a.new)
+            dt, tok_theirs = theirs_run(prompts, a.new)
             t_theirs.append(dt)
+            print(f"batch {batch}: pdserve {t_ours[-1]:.2f} s, {other_name} {dt:.2f} s",
+                  flush=True)
         decoded = batch * (a.new - 1)
         same = sum(x == y for x, y in zip(tok_ours, tok_theirs, strict=True))
         rows.append({"batch": batch, "pdserve_tok_s": decoded / statistics.median(t_ours),
-                     "llama_cpp_tok_s": decoded / statistics.median(t_theirs),
+                     f"{other_name}_tok_s": decoded / statistics.median(t_theirs),
                      "ratio": statistics.median(t / o for o, t in zip(t_ours, t_theirs,
                                                                        strict=True)),
                      "same_greedy_seqs": f"{same}/{batch}"})
-        raw[batch] = {"pdserve_s": t_ours, "llama_cpp_s": t_theirs}
+        raw[batch] = {"pdserve_s": t_ours, f"{other_name}_s": t_theirs}
     weights = a.quantization or "fp32"
-    print(f"\npdserve ({weights}) vs llama.cpp (Q4_1), {gguf.name}, {a.threads} threads, "
+    print(f"\npdserve ({weights}) vs {other_name}, {gguf.name}, {a.threads} threads, "
           f"decode tokens/s, medians of {a.repeats}")
-    print_table(rows, ["batch", "pdserve_tok_s", "llama_cpp_tok_s", "ratio",
+    print_table(rows, ["batch", "pdserve_tok_s", f"{other_name}_tok_s", "ratio",
                        "same_greedy_seqs"])
     out = write_json(a.output, {"threads": a.threads, "pdserve_weights": weights,
-                                "compile_decode": a.compile_decode, "rows": rows,
-                                "raw": raw})
+                                "compile_decode": a.compile_decode, "against": other_name,
+                                "rows": rows, "raw": raw})
     print(f"\nwrote {out}")
 
 

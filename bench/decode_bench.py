@@ -100,9 +100,11 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
         for name, llm in engines.items():
             dt, tokens[name] = run_ours(llm, prompts, max_new)
             times[name].append(dt)
+            print(f"batch {batch} {name}: {useful / dt:.3g} tok/s", flush=True)
         if hf is not None:
             dt, tokens["hf"] = run_hf(hf, prompts, max_new)
             times["hf"].append(dt)
+            print(f"batch {batch} hf: {useful / dt:.3g} tok/s", flush=True)
     ours = [tokens[n] for n in engines]
     assert all(t == ours[0] for t in ours), "pdserve engines disagree on greedy tokens"
     if batch == 1 and hf is not None:
@@ -126,17 +128,21 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", default=list(ENGINES), choices=list(ENGINES))
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32], choices=[1, 32])
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--kv-gb", type=float, default=None,
+                    help="KV cache per engine (default: 0.15 GB for batch 1 only, else 1.0)")
     ap.add_argument("--output", default="bench/results/decode.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model = ensure_default_model()
+    kv_gb = a.kv_gb or (0.15 if a.batches == [1] else 1.0)  # batch 32 holds ~20k tokens
     engines = {n: LLM(str(model), dtype="float32", enable_prefix_caching=False,
-                      kv_cache_memory_gb=0.5, **ENGINES[n]) for n in a.configs}
+                      kv_cache_memory_gb=kv_gb, **ENGINES[n]) for n in a.configs}
     hf = None if a.skip_hf else load_hf()
     warm = workload(32)
-    for llm in engines.values():  # compile (inductor) and warm every engine first
+    for name, llm in engines.items():  # compile (inductor) and warm every engine first
         run_ours(llm, warm[0][:1], [4])
         run_ours(llm, warm[0][:3], [4, 4, 4])
+        print(f"warmed {name}", flush=True)
     result: dict = {"threads": a.threads, "repeats": a.repeats}
     rows, bw = [], []
     for batch in a.batches:

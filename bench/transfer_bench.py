@@ -1,15 +1,21 @@
-"""KV transfer throughput over gloo on loopback vs this machine's memory copy bandwidth.
+"""KV transfer throughput between two processes on one host, per transport (NIXL, gloo), over
+this machine's memory copy bandwidth.
 
-    python bench/transfer_bench.py [--prompts 10] [--tokens 2048]
-                                   [--output bench/results/transfer.json]
+    python bench/transfer_bench.py [--transports nixl gloo] [--prompts 10] [--tokens 2048]
+                                   [--shape smollm2|demo] [--output bench/results/transfer.json]
 
-A receiver process (this script with `--role receiver`) owns a paged KV cache of the demo model's
-shape and a `KVReceiver` whose sink copies every layer into it, as a decode worker does. This
-process is the prefill side: for each prompt it sends the prompt's KV layer by layer (12 layers
-x 128 blocks of 16 tokens x 4 KV heads x 64 dims, fp32: 4 MiB per layer, 48 MiB per prompt) and
-waits for the DONE marker to be sent. Throughput = payload bytes / time from the first
-`send_layer` to the resolved future. The ratio compares it with a large `torch` tensor copy.
-The two processes talk over a pipe in JSON lines (address out, stats on request).
+One receiver process per transport (this script with `--role receiver`) owns a paged KV cache
+of the model's shape and a `KVReceiver` whose sink copies every layer into it, as a decode
+worker does; the NIXL one has a NIXL agent and offers its landing pool. This process is the
+prefill side: one `KVSender` (with a NIXL agent when NIXL is compared, so a receiver without a
+pool gets gloo from the same sender, as in a worker), sending each prompt's KV layer by layer
+and waiting for the DONE marker to be sent. Prompts alternate between the transports, and a
+memory copy is timed before each round, so every ratio is taken against the same moment's
+machine. Throughput = payload bytes / time from the first `send_layer` to the resolved future.
+
+Shapes (2048 tokens, fp32): `smollm2` (the default model: 30 layers x 128 blocks of 16 tokens x
+3 KV heads x 64 dims, 3 MiB per layer, 90 MiB per prompt), `demo` (12 layers x 4 heads: 48 MiB).
+The processes talk over a pipe in JSON lines (address and pool descriptor out, stats on request).
 """
 
 from __future__ import annotations
@@ -29,16 +35,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
 from kv_store.transfer import KVReceiver, KVSender, TransferConfig  # noqa: E402
+from kv_store.transfer.nixl_agent import NixlAgent  # noqa: E402
 from pdserve.demo_model import DemoModelConfig  # noqa: E402
 
 BLOCK_SIZE = 16
+_DEMO = DemoModelConfig()
+SHAPES = {  # name: (layers, KV heads, head dim)
+    "smollm2": (30, 3, 64),  # SmolLM2-135M-Instruct, the default model
+    "demo": (_DEMO.num_hidden_layers, _DEMO.num_key_value_heads, _DEMO.resolved_head_dim),
+}
 
 
-def kv_shape(tokens: int) -> tuple[int, ...]:
-    """Shape of one layer's blocks for a `tokens`-long prompt of the demo model."""
-    model = DemoModelConfig()
-    blocks = -(-tokens // BLOCK_SIZE)
-    return (blocks, 2, model.num_key_value_heads, BLOCK_SIZE, model.resolved_head_dim)
+def kv_shape(shape: str, tokens: int) -> tuple[int, ...]:
+    """Shape of one layer's blocks for a `tokens`-long prompt."""
+    _, heads, dim = SHAPES[shape]
+    return (-(-tokens // BLOCK_SIZE), 2, heads, BLOCK_SIZE, dim)
 
 
 class CacheSink:
@@ -57,97 +68,120 @@ class CacheSink:
         print(json.dumps({"failed": request_id, "reason": reason}), file=sys.stderr, flush=True)
 
 
-def run_receiver(tokens: int) -> None:
+def run_receiver(transport: str, shape: str, tokens: int) -> None:
     torch.set_num_threads(1)
-    sink = CacheSink(DemoModelConfig().num_hidden_layers, kv_shape(tokens))
-    with KVReceiver("127.0.0.1", 0, sink, TransferConfig()) as receiver:
+    agent = NixlAgent("127.0.0.1") if transport == "nixl" else None
+    sink = CacheSink(SHAPES[shape][0], kv_shape(shape, tokens))
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(), nixl=agent) as receiver:
         receiver.start()
-        print(json.dumps({"address": receiver.address}), flush=True)
+        print(json.dumps({"address": receiver.address,
+                          "peer": receiver.nixl_descriptor.hex()}), flush=True)
         for line in sys.stdin:  # one line per stats request; EOF ends the receiver
             if line.strip() == "stats":
                 print(json.dumps(receiver.stats()), flush=True)
+    if agent is not None:
+        agent.close()
 
 
-def send_prompts(address: str, tokens: int, prompts: int) -> tuple[list[float], int, dict]:
-    """Send `prompts` prompts (after one warm-up that opens the pair); seconds per prompt."""
-    layers = DemoModelConfig().num_hidden_layers
-    shape = kv_shape(tokens)
+class Receiver:
+    """A receiver child process for one transport."""
+
+    def __init__(self, transport: str, shape: str, tokens: int) -> None:
+        self.transport = transport
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--role", "receiver", "--transports", transport,
+             "--shape", shape, "--tokens", str(tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        hello = json.loads(self.proc.stdout.readline())
+        self.address, self.peer = hello["address"], bytes.fromhex(hello["peer"])
+
+    def stats(self) -> dict:
+        self.proc.stdin.write("stats\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(30)
+
+
+def send_prompt(sender: KVSender, rx: Receiver, rid: str, kvs: list[torch.Tensor]
+                ) -> tuple[float, int]:
+    blocks = list(range(kvs[0].shape[0]))
+    t0 = time.perf_counter()
+    for layer, kv in enumerate(kvs):
+        sender.send_layer(rx.address, rid, layer, blocks, kv)
+    result = sender.finish(rx.address, rid, b"").result(120)
+    return time.perf_counter() - t0, result.bytes_sent
+
+
+def measure(args) -> dict:
+    agent = NixlAgent("127.0.0.1") if "nixl" in args.transports else None
+    receivers = [Receiver(t, args.shape, args.tokens) for t in args.transports]
     gen = torch.Generator().manual_seed(0)
-    kvs = [torch.randn(shape, generator=gen) for _ in range(layers)]
-    blocks = list(range(shape[0]))
-    seconds = []
-    with KVSender(TransferConfig()) as sender:
-        for i in range(prompts + 1):
-            rid = f"bench-{i}"
-            t0 = time.perf_counter()
-            for layer, kv in enumerate(kvs):
-                sender.send_layer(address, rid, layer, blocks, kv)
-            result = sender.finish(address, rid, b"").result(120)
-            if i:  # the first prompt pays for the pair's rendezvous
-                seconds.append(time.perf_counter() - t0)
-        stats = sender.stats()
-    return seconds, result.bytes_sent, stats
+    kvs = [torch.randn(kv_shape(args.shape, args.tokens), generator=gen)
+           for _ in range(SHAPES[args.shape][0])]
+    seconds: dict[str, list[float]] = {t: [] for t in args.transports}
+    copies, nbytes = [], 0
+    try:
+        with KVSender(TransferConfig(), nixl=agent) as sender:
+            for rx in receivers:
+                sender.add_peer(rx.address, rx.peer)
+                send_prompt(sender, rx, f"warm-{rx.transport}", kvs)  # opens the pair
+            for i in range(args.prompts):
+                copies.append(memcpy_bandwidth(256 * 2**20))
+                for rx in receivers:
+                    dt, nbytes = send_prompt(sender, rx, f"p{i}-{rx.transport}", kvs)
+                    seconds[rx.transport].append(dt)
+            sender_stats = sender.stats()
+        receiver_stats = {rx.transport: rx.stats() for rx in receivers}
+    finally:
+        for rx in receivers:
+            rx.close()
+        if agent is not None:
+            agent.close()
+    return {"seconds": seconds, "memcpy": copies, "bytes": nbytes,
+            "sender_stats": sender_stats, "receiver_stats": receiver_stats}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--transports", nargs="+", default=["nixl", "gloo"],
+                        choices=["nixl", "gloo"])
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--shape", default="smollm2", choices=list(SHAPES))
     parser.add_argument("--output", default="bench/results/transfer.json")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     args = parser.parse_args()
     if args.role == "receiver":
-        run_receiver(args.tokens)
+        run_receiver(args.transports[0], args.shape, args.tokens)
         return
     torch.set_num_threads(1)
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "receiver", "--tokens", str(args.tokens)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    try:
-        address = json.loads(child.stdout.readline())["address"]
-        seconds, nbytes, sender_stats = send_prompts(address, args.tokens, args.prompts)
-        child.stdin.write("stats\n")
-        child.stdin.flush()
-        receiver_stats = json.loads(child.stdout.readline())
-    finally:
-        child.stdin.close()
-        child.wait(30)
-    report(args, seconds, nbytes, sender_stats, receiver_stats)
+    report(args, measure(args))
 
 
-def report(args, seconds: list[float], nbytes: int, sender_stats: dict,
-           receiver_stats: dict) -> None:
-    copy_bw = memcpy_bandwidth(256 * 2**20)
-    median_bw = nbytes / statistics.median(seconds)
-    best_bw = nbytes / min(seconds)
-    shape = kv_shape(args.tokens)
-    rows = [
-        {"metric": "prompt tokens", "value": args.tokens},
-        {"metric": "layers x blocks/layer", "value": f"{DemoModelConfig().num_hidden_layers} x "
-                                                     f"{shape[0]}"},
-        {"metric": "bytes per prompt (MiB)", "value": nbytes / 2**20},
-        {"metric": "prompts timed", "value": len(seconds)},
-        {"metric": "seconds per prompt (median)", "value": statistics.median(seconds)},
-        {"metric": "transfer throughput median (GB/s)", "value": median_bw / 1e9},
-        {"metric": "transfer throughput best (GB/s)", "value": best_bw / 1e9},
-        {"metric": "memory copy bandwidth (GB/s)", "value": copy_bw / 1e9},
-        {"metric": "ratio median / memcpy", "value": median_bw / copy_bw},
-        {"metric": "load average (1 min)", "value": os.getloadavg()[0]},
-    ]
-    print_table(rows, ["metric", "value"])
+def report(args, m: dict) -> None:
+    nbytes, copy_bw = m["bytes"], statistics.median(m["memcpy"])
+    rows = []
+    for t, secs in m["seconds"].items():
+        ratios = [nbytes / s / c for s, c in zip(secs, m["memcpy"], strict=True)]
+        rows.append({"transport": t, "MiB/prompt": nbytes / 2**20,
+                     "s/prompt": statistics.median(secs),
+                     "GB/s median": nbytes / statistics.median(secs) / 1e9,
+                     "GB/s best": nbytes / min(secs) / 1e9, "memcpy GB/s": copy_bw / 1e9,
+                     "ratio to memcpy": statistics.median(ratios)})
+    layers = SHAPES[args.shape][0]
+    print(f"\nKV transfer, {args.shape} shape, {args.tokens} tokens ({layers} layers), "
+          f"{args.prompts} prompts per transport, load average {os.getloadavg()[0]:.1f}")
+    print_table(rows, list(rows[0]))
     path = write_json(args.output, {
-        "bench": "transfer",
+        "bench": "transfer", "shape": args.shape, "tokens": args.tokens,
         "load_average_1_5_15m": list(os.getloadavg()),  # the machine is shared: context
-        "backend": "gloo",
-        "kv_shape_per_layer": list(shape),
-        "dtype": "float32",
-        "bytes_per_prompt": nbytes,
-        "seconds_per_prompt": seconds,
-        "throughput_bytes_per_s": {"median": median_bw, "best": best_bw},
-        "memcpy_bytes_per_s": copy_bw,
-        "ratio_median_to_memcpy": median_bw / copy_bw,
-        "sender_stats": sender_stats,
-        "receiver_stats": receiver_stats,
+        "kv_shape_per_layer": list(kv_shape(args.shape, args.tokens)), "dtype": "float32",
+        "bytes_per_prompt": nbytes, "rows": rows, "seconds_per_prompt": m["seconds"],
+        "memcpy_bytes_per_s": m["memcpy"], "sender_stats": m["sender_stats"],
+        "receiver_stats": m["receiver_stats"],
     })
     print(f"wrote {path}")
 

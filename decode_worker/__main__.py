@@ -18,6 +18,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
+    DrainConfig,
     announce_ready,
     drain,
     run_worker,
@@ -65,7 +66,8 @@ async def serve(options: WorkerOptions) -> None:
 
     async def cleanup() -> None:
         # The receiver and the engine keep running while the streams in flight finish.
-        await drain(server, link, lambda: service.kv_sender.stats()["transfers_active"] > 0)
+        await drain(server, link, lambda: service.kv_sender.stats()["transfers_active"] > 0,
+                    DrainConfig.of(options))
         expiry.cancel()
         receiver.close()
         await service.puller.close()

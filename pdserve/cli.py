@@ -12,6 +12,11 @@
 PATH is a Hugging Face checkpoint directory, a .gguf file or a directory holding one; without
 --model every role serves the embedded default, SmolLM2-135M-Instruct (pdserve/default_model.py).
 
+`pdserve up` supervises its processes: a worker (or the router) that exits is started again,
+with backoff, on the same ports, while the rest keep serving; Ctrl-C / SIGTERM stops
+everything (the router finishes its streams within --shutdown-grace, workers theirs within
+--drain-timeout).
+
 With `--redis URL`, `pdserve up` starts the router in discovery mode: its pools follow the
 workers registered in Redis, so a worker started later joins the running cluster on its own,
 and leaves it (after finishing its requests) on SIGTERM:
@@ -100,6 +105,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", choices=("nixl", "nccl", "gloo"), default=None,
                    help="what carries KV between workers: nixl (the workers' default; gloo "
                         "where NIXL does not load), nccl (CUDA KV) or gloo")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+                   help="on stop, seconds the router lets streams in flight finish")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on stop, seconds each worker lets its requests finish")
     # The name of worker_options.REDIS_URL_ENV, spelled out: the CLI imports nothing heavy.
     p.add_argument("--redis", default=os.environ.get("PDSERVE_REDIS_URL", ""), metavar="URL",
                    help="Redis KV index for the router and workers, redis://:password@host:port/db "
@@ -177,19 +186,20 @@ def cmd_up(a: argparse.Namespace) -> int:
                        num_decode=a.decode, threads_per_worker=a.threads_per_worker,
                        prefill_tp=tp or a.prefill_tp, decode_tp=tp or a.decode_tp,
                        worker_args=(*engine_worker_args(a), *a.worker_arg,
-                                    *_tier_worker_args(a)),
+                                    *_tier_worker_args(a), f"--drain-timeout={a.drain_timeout}"),
                        log_dir=a.log_dir, redis_url=a.redis, tls=a.tls == "auto",
                        cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port),
                                     "--migration-limit", str(a.migration_limit),
                                     "--heartbeat-timeout", str(a.heartbeat_timeout),
+                                    f"--shutdown-grace={a.shutdown_grace}",
                                     *api_router_args(a)))
     cluster = LocalCluster(spec)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster.start()
+    cluster.start(supervise=True)
     try:
         scheme = "s" if cluster.ca_path else ""
         print(f"pdserve router   grpc{scheme}://{cluster.address}  (model {model})", flush=True)
@@ -205,15 +215,12 @@ def cmd_up(a: argparse.Namespace) -> int:
         if a.redis:
             print("  discovery      more workers join with: pdserve decode-worker|prefill-worker "
                   f"--model {model} (and $PDSERVE_REDIS_URL or --redis)", flush=True)
-        print("Ctrl-C stops everything.", flush=True)
+        print("Processes that exit are restarted. Ctrl-C stops everything.", flush=True)
         while not stop.wait(1.0):
-            dead = [c.name for c in [cluster.router, *cluster.children]
-                    if c is not None and c.proc.poll() is not None]
-            if dead:
-                print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
-                return 1
+            pass
     finally:
-        cluster.stop()
+        # Longer than the router's and the workers' own graces: nothing is cut short.
+        cluster.stop(grace_s=max(a.shutdown_grace, a.drain_timeout) + 5.0)
     return 0
 
 

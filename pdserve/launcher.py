@@ -4,6 +4,11 @@ Each child announces `PDSERVE_READY {json}` on stdout once bound; the launcher w
 line (never guesses ports), and stops every child on exit: SIGTERM, then SIGKILL after a grace.
 Used by `pdserve up` and by the end-to-end tests.
 
+Once a child has announced its ports they are pinned (`--port`, and the router's
+`--http-port`), so `respawn(child)` brings it back where the others expect it. With
+`supervise=True` (what `pdserve up` does) a `Supervisor` thread respawns any child that exits,
+with backoff (`pdserve/supervisor.py`); only `stop()` ends the cluster.
+
 With a Redis URL the router runs in discovery mode (no worker lists): its pools follow the
 registry, so the cluster scales while it runs — `add_worker(role)` starts one more worker,
 `stop_worker(child)` drains one (SIGTERM: it leaves the registry, finishes its requests, exits).
@@ -44,6 +49,7 @@ from pdserve.serving.security.args import TLS_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_base import READY_PREFIX
 from pdserve.serving.worker_options import REDIS_URL_ENV
+from pdserve.supervisor import RestartPolicy, Supervisor
 
 
 @dataclass(frozen=True)
@@ -88,6 +94,12 @@ class Child:
     name: str
     proc: subprocess.Popen
     info: dict = field(default_factory=dict)
+    module: str = ""
+    args: list[str] = field(default_factory=list)
+    """Its command line after `python -m module` (ports pinned once it announced them)."""
+    ready: threading.Event = field(default_factory=threading.Event)
+    """Set when this process (the latest one, after a respawn) announced itself."""
+    restarts: int = 0
 
 
 class LocalCluster:
@@ -96,6 +108,7 @@ class LocalCluster:
         self.children: list[Child] = []
         self.router: Child | None = None
         self._started = {"prefill": 0, "decode": 0}  # workers ever started, for unique ids
+        self.supervisor: Supervisor | None = None
         self._model = spec.model
         secret = (ClusterSecret(spec.cluster_secret.encode()) if spec.cluster_secret
                   else load_cluster_secret())
@@ -150,13 +163,28 @@ class LocalCluster:
     def workers(self, role: str) -> list[Child]:
         return [c for c in self.children if c.info.get("role") == role]
 
-    def start(self, timeout_s: float = 180.0) -> LocalCluster:
+    def start(self, timeout_s: float = 180.0, supervise: bool = False,
+              restart: RestartPolicy | None = None) -> LocalCluster:
+        """Start every child and wait until each serves; `supervise`: respawn any that exits
+        from then on (until `stop`), waiting as `restart` says."""
         try:
             self._start(timeout_s)
         except BaseException:
             self.stop()
             raise
+        if supervise:
+            self.supervisor = Supervisor(self, restart or RestartPolicy())
+            self.supervisor.start()
         return self
+
+    def respawn(self, child: Child) -> None:
+        """Start `child` again with the same command line (its ports pinned); returns at once:
+        `child.ready` is set when it serves again."""
+        if child.proc.poll() is None:
+            raise RuntimeError(f"{child.name} is still running")
+        new = self._spawn(child.name, child.module, child.args)
+        child.proc, child.ready, child.restarts = new.proc, new.ready, child.restarts + 1
+        self._watch_ready(child)
 
     def _start(self, timeout_s: float) -> None:
         s = self.spec
@@ -232,6 +260,7 @@ class LocalCluster:
         return [flags[0], issued.cert, flags[1], issued.key, flags[2], self._ca.ca_path]
 
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
+        """Start a child process; nothing waits for it here."""
         stderr = None
         if self.spec.log_dir:
             Path(self.spec.log_dir).mkdir(parents=True, exist_ok=True)
@@ -245,19 +274,26 @@ class LocalCluster:
         proc = subprocess.Popen(
             [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=stderr,
             env=env, start_new_session=True)
-        return Child(name, proc)
+        return Child(name, proc, module=module, args=list(args))
 
-    def _wait_ready(self, child: Child, timeout_s: float) -> None:
-        found = threading.Event()
+    def _watch_ready(self, child: Child) -> None:
+        """Read the child's stdout on a thread: on READY, record its info, pin its ports and
+        set `child.ready`."""
+        proc, found = child.proc, child.ready
 
         def read() -> None:
-            for raw in child.proc.stdout:  # keeps draining after READY so the pipe never fills
+            for raw in proc.stdout:  # keeps draining after READY so the pipe never fills
                 line = raw.decode(errors="replace").rstrip()
                 if line.startswith(READY_PREFIX) and not found.is_set():
                     child.info = json.loads(line[len(READY_PREFIX):])
+                    child.args = pin_ports(child.args, child.info)
                     found.set()
 
         threading.Thread(target=read, name=f"{child.name}-stdout", daemon=True).start()
+
+    def _wait_ready(self, child: Child, timeout_s: float) -> None:
+        self._watch_ready(child)
+        found = child.ready
         end = time.monotonic() + timeout_s
         while not found.wait(0.1):
             if child.proc.poll() is not None:
@@ -271,6 +307,8 @@ class LocalCluster:
         child.proc.wait(timeout=30)
 
     def stop(self, grace_s: float = 10.0) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()  # first: nothing stopped below may be respawned
         everyone = ([self.router] if self.router else []) + self.children
         for c in everyone:
             if c.proc.poll() is None:
@@ -291,3 +329,25 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def pin_ports(args: list[str], info: dict) -> list[str]:
+    """`args` with `--port` (and, for a router, `--http-port`) set to the ports the child
+    announced in `info`, so a respawned child binds where the others know it."""
+    pins = {"--port": info.get("address")}
+    if info.get("role") == "router":
+        pins["--http-port"] = info.get("http_address")
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        flag = a.split("=", 1)[0]
+        if flag in pins and pins[flag]:
+            skip = "=" not in a  # drop the flag and its value
+            continue
+        out.append(a)
+    for flag, address in pins.items():
+        if address:
+            out += [flag, address.rsplit(":", 1)[1]]
+    return out

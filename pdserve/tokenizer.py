@@ -147,7 +147,18 @@ class Tokenizer:
         """Token ids of text; add_special_tokens adds BOS/EOS per the rule in the module doc."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: the same ids, but it releases the GIL while it works, so
+        # a long text tokenised on a worker thread does not stall the caller's event loop.
+        return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest token's text (added and special tokens included): a
+        text of B bytes has at least B / max_token_bytes tokens, for a tokenizer whose decoded
+        tokens spell the text back (every byte-level BPE and SentencePiece model)."""
+        ids = [[i] for i in range(self.vocab_size)]
+        texts = self._backend.decode_batch(ids, skip_special_tokens=False)
+        return max((len(t.encode("utf-8")) for t in texts), default=1) or 1
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ids; invalid UTF-8 byte sequences decode to U+FFFD."""

@@ -17,6 +17,7 @@ from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
+    DrainConfig,
     announce_ready,
     drain,
     run_worker,
@@ -56,7 +57,8 @@ async def serve(options: WorkerOptions) -> None:
 
     async def cleanup() -> None:
         # A prefill answers before its KV has reached the decode worker: wait for that too.
-        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0)
+        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0,
+                    DrainConfig.of(options))
         loop.stop()
         engine.close()
         sender.close()

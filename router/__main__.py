@@ -11,12 +11,21 @@ Two ways to know the workers:
   until a decode worker joins. The model id (`--model-id`, else the checkpoint's default: a
   directory's name, a .gguf file's stem) must be the workers' own; the length limit comes
   from the checkpoint config.
+
+With static lists the router serves as soon as each pool has one healthy worker (at most
+`--start-wait` seconds after it starts; then it serves anyway, with UNAVAILABLE until a
+decode worker answers).
+
+SIGTERM (or SIGINT) stops it gracefully (`shutdown`): new requests get UNAVAILABLE (clients
+retry elsewhere), health reports NOT_SERVING (gRPC) / 503 (HTTP), and the streams in flight
+finish within `--shutdown-grace` seconds; what is left then is cancelled.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -29,12 +38,13 @@ from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
-from pdserve.proto import pb, pb_grpc
+from pdserve.proto import pb
 from pdserve.serving.grpc_server import start_server
 from pdserve.serving.security import ClientSecurity, TLSError
 from pdserve.serving.security import args as security_args
 from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
+from router.admission import AdmissionConfig
 from router.auth import BearerAuthInterceptor
 from router.config import RouterConfig
 from router.frontend import FinishRules, Frontend
@@ -45,6 +55,7 @@ from router.openai.tool_parsers import PARSERS
 from router.openai.tools import ToolConfig
 from router.pool import WorkerPool
 from router.service import PDServeService
+from router.validation import RequestLimits
 
 log = logging.getLogger("router")
 
@@ -88,21 +99,24 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
             log.info("discovery: starting with %d prefill and %d decode workers answering",
                      len(prefill.healthy()), len(decode.healthy()))
     else:
-        await asyncio.gather(prefill.wait_healthy(60), decode.wait_healthy(60))
+        await asyncio.gather(prefill.wait_any_healthy(cfg.start_wait_s),
+                             decode.wait_any_healthy(cfg.start_wait_s))
         infos = [w.info for w in decode.workers + prefill.workers if w.info is not None]
         model_id, max_len = served_model(cfg, checkpoint, infos)
+    limits = RequestLimits(max_len, model_cfg.vocab_size, tokenizer.max_token_bytes)
     metrics = RouterMetrics(model_name=model_id)
     metrics.registry.register(ClusterCollector(
         model_id, lambda: cluster_state(metrics, prefill, decode)))
     rules = FinishRules(checkpoint.eos_token_ids, max_len)
-    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules)
-    service = PDServeService(frontend, model_cfg.vocab_size, max_len, model_id,
+    frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules, limits)
+    service = PDServeService(frontend, max_len, model_id,
                              ToolConfig(cfg.tool_call_parser, cfg.enable_auto_tool_choice))
     interceptors = [BearerAuthInterceptor(cfg.auth_tokens)] if cfg.auth_tokens else []
     server = await start_server(cfg.host, cfg.port,
-                                lambda s: pb_grpc.add_PDServeServicer_to_server(service, s),
+                                lambda s: s.add_generic_rpc_handlers((service.handlers(),)),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
-                                tls=cfg.tls, interceptors=interceptors)
+                                tls=cfg.tls, interceptors=interceptors,
+                                max_receive_bytes=limits.max_message_bytes)
     ready = {"role": "router", "address": f"{cfg.host}:{server.port}",
              "discovery": cfg.discover}
     metrics_server = None
@@ -115,27 +129,46 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     http = None
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
-                             root=cfg.model, aliases=cfg.model_aliases)
-        http = OpenAIServer(frontend, served, http_cfg, lambda: bool(decode.healthy()),
+                             tokenizer.max_token_bytes, root=cfg.model,
+                             aliases=cfg.model_aliases)
+        http = OpenAIServer(frontend, served,
+                            dataclasses.replace(http_cfg, max_body_bytes=limits.max_body_bytes),
+                            lambda: frontend.accepting and bool(decode.healthy()),
                             metrics=metrics.registry if metrics_server is None else None,
                             before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()
     announce_ready(ready)
 
     async def cleanup() -> None:
-        await server.set_serving(False)
+        await shutdown(frontend, server, http, cfg.shutdown_grace_s)
         if metrics_server is not None:
             metrics_server.close()
         if membership is not None:
             await membership.close()
-        if http is not None:
-            await http.stop()
-        await server.server.stop(grace=2)
         await asyncio.gather(prefill.close(), decode.close())
+        frontend.tokens.close()
         if index is not None:
             await index.close()
 
     await wait_for_signal(cleanup)
+
+
+async def shutdown(frontend: Frontend, server, http: OpenAIServer | None,
+                   grace_s: float) -> None:
+    """Stop taking requests, let the streams in flight finish within `grace_s`, stop."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + grace_s
+    frontend.accepting = False  # new requests: UNAVAILABLE (retryable elsewhere)
+    await server.set_serving(False)
+    log.info("shutting down: %d requests in flight, up to %.0fs to finish",
+             frontend.inflight, grace_s)
+    while frontend.inflight > 0 and loop.time() < end:
+        await asyncio.sleep(0.05)
+    if frontend.inflight:
+        log.warning("shutdown grace over: cancelling %d requests", frontend.inflight)
+    if http is not None:
+        await http.stop()
+    await server.server.stop(grace=0.5)
 
 
 def cluster_state(metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool
@@ -201,7 +234,16 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
                    help="worker choice: KV-aware (default) or round-robin (a baseline)")
-    p.add_argument("--max-inflight", type=int, default=1024)
+    p.add_argument("--queue-waves", type=int, default=AdmissionConfig.queue_waves,
+                   help="admission: longest queue on a decode worker, in batches of what it "
+                        "runs at once")
+    p.add_argument("--no-admission", action="store_true",
+                   help="admit every request (a baseline for benchmarks)")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, longest wait in seconds for streams in flight to finish "
+                        "(default 30)")
+    p.add_argument("--start-wait", type=float, default=60.0, metavar="S",
+                   help="static lists: longest start-up wait for one healthy worker per pool")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI HTTP API port (0 = any free port, -1 = no HTTP API)")
     p.add_argument("--http-host", default=None, help="HTTP bind address (default: --host)")
@@ -236,6 +278,10 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                 "discover the workers from its registry")
     if a.discover_wait < 0:
         p.error("--discover-wait must be >= 0")
+    if a.shutdown_grace < 0 or a.start_wait < 0:
+        p.error("--shutdown-grace and --start-wait must be >= 0")
+    if a.queue_waves < 1:
+        p.error("--queue-waves must be >= 1")
     if a.health_period <= 0 or a.heartbeat_timeout <= 0:
         p.error("--health-period and --heartbeat-timeout must be > 0")
     if a.migration_limit < 0:
@@ -267,7 +313,9 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         chat_template=read_chat_template(a.chat_template),
         tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,
         local_prefill_tokens=a.local_prefill_tokens, routing=a.routing,
-        max_inflight=a.max_inflight, auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
+        admission=AdmissionConfig(queue_waves=a.queue_waves, enabled=not a.no_admission),
+        shutdown_grace_s=a.shutdown_grace, start_wait_s=a.start_wait,
+        auth_tokens=tokens, redis_url=a.redis, redis_ca=a.redis_ca,
         discovery_wait_s=a.discover_wait, health_period_s=a.health_period,
         heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit, tls=tls,
         internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,

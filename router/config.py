@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.serving.security import ClientSecurity, TLSConfig
+from router.admission import AdmissionConfig
 
 
 @dataclass(frozen=True)
@@ -32,8 +33,12 @@ class RouterConfig:
     """kv (KV-aware, the default) or round-robin (a baseline for comparison)."""
     local_prefill_tokens: int = 32
     """Uncached prompts up to this many tokens are prefilled by the decode worker itself."""
-    max_inflight: int = 1024
-    """Requests in flight beyond this are refused with RESOURCE_EXHAUSTED."""
+    admission: AdmissionConfig = AdmissionConfig()
+    """Admission control (`router/admission.py`): the in-flight cap comes from the pools."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: longest wait for the streams in flight to finish (`--shutdown-grace`)."""
+    start_wait_s: float = 60.0
+    """Static lists: longest start-up wait for one healthy worker in each pool."""
     default_timeout_s: float = 600.0
     """Deadline applied when the client sets none."""
     health_period_s: float = 1.0

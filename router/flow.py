@@ -195,7 +195,10 @@ class Flow:
         task.add_done_callback(self._background.discard)
 
     async def run(self, rid: str, req: ValidRequest, timeout_s: float,
-                  timings: FlowTimings, n: int = 1) -> AsyncIterator[TokenEvent | FinishEvent]:
+                  timings: FlowTimings, n: int = 1, decode_allowed: frozenset[str] | None = None
+                  ) -> AsyncIterator[TokenEvent | FinishEvent]:
+        """`decode_allowed`: the decode workers admission control lets take the request's
+        first attempt (None: any); a migration goes wherever placement finds room."""
         seed = req.params.seed if req.params.seed is not None else self.rng.getrandbits(63)
         deadline = time.time() + timeout_s
         timings.start = time.perf_counter()
@@ -206,7 +209,8 @@ class Flow:
             a = Attempt(rid if moves == 0 else f"{rid}.m{moves}", tuple(streamed), seed,
                         deadline, frozenset(excluded))
             try:
-                async for ev in self._attempt(a, req, timings, n, rid):
+                allowed = decode_allowed if moves == 0 else None
+                async for ev in self._attempt(a, req, timings, n, rid, allowed):
                     if isinstance(ev, TokenEvent):
                         streamed.extend(ev.token_ids)
                     yield ev
@@ -229,11 +233,12 @@ class Flow:
 
     # -- one attempt ---------------------------------------------------------------------
     async def _attempt(self, a: Attempt, req: ValidRequest, timings: FlowTimings, n: int = 1,
-                       rid: str = "") -> AsyncIterator[TokenEvent | FinishEvent]:
+                       rid: str = "", allowed: frozenset[str] | None = None
+                       ) -> AsyncIterator[TokenEvent | FinishEvent]:
         tokens = req.prompt_token_ids + list(a.generated)
         blocks = self.place.blocks(tokens)
         try:
-            d = self.place.pick_decode(blocks.matches, set(a.excluded))
+            d = self.place.pick_decode(blocks.matches, set(a.excluded), allowed)
         except NoWorker as exc:
             raise FlowError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         self.place.hint(a.rid, d, blocks)

@@ -1,6 +1,11 @@
-"""What every public API shares once a request is validated: run the flow, turn tokens into
-text (stop strings included), account usage. gRPC (`service.py`) and OpenAI HTTP map these
-typed chunks onto their own wire formats.
+"""What every public API shares once a request is validated: admission, run the flow, turn
+tokens into text (stop strings included), account usage. gRPC (`service.py`) and OpenAI HTTP
+map these typed chunks onto their own wire formats.
+
+    generate(req, n) ─► accepting? (else UNAVAILABLE: shutting down)
+                     ─► gate.admit (router.gate: pool loads, request size, deadline)
+                          refused ─► Overloaded (RESOURCE_EXHAUSTED, retry_after_s), nothing sent
+                     ─► flow.run(..., decode workers admission allows) ─► chunks
 
 One choice's chunks:
 
@@ -26,6 +31,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+import grpc
+
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.stop import apply_stop_rules
 from pdserve.observability.router_metrics import RouterMetrics, status_of
@@ -33,10 +40,14 @@ from pdserve.proto import pb
 from pdserve.text_stream import TextStream
 from pdserve.tokenizer import Tokenizer
 from router.config import RouterConfig
-from router.flow import FinishEvent, Flow, FlowTimings, TokenEvent
+from router.flow import FinishEvent, Flow, FlowError, FlowTimings, TokenEvent
+from router.gate import AdmissionGate, Overloaded
 from router.migration import MigrationPolicy
 from router.pool import WorkerPool
-from router.validation import ValidRequest
+from router.tokenize import TokenizerPool
+from router.validation import RequestLimits, ValidRequest
+
+__all__ = ["FinishRules", "Frontend", "OutputChunk", "Overloaded", "Usage", "UsageTotal"]
 
 log = logging.getLogger("router.requests")
 
@@ -99,11 +110,17 @@ class FinishRules:
 class Frontend:
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer, prefill: WorkerPool,
                  decode: WorkerPool, metrics: RouterMetrics | None = None,
-                 rules: FinishRules | None = None) -> None:
+                 rules: FinishRules | None = None, limits: RequestLimits | None = None
+                 ) -> None:
         self.config = config
         self.metrics = metrics if metrics is not None else RouterMetrics()
         self.tokenizer = tokenizer
+        self.tokens = TokenizerPool(tokenizer)
+        self.limits = limits if limits is not None else RequestLimits(
+            32768, tokenizer.vocab_size, tokenizer.max_token_bytes)
         self.rules = rules
+        self.prefill, self.decode = prefill, decode
+        self.gate = AdmissionGate(config, prefill, decode, self.limits, self.metrics)
         self._rng = random.Random(uuid.uuid4().int)
         self.flow = Flow(prefill, decode, config.local_prefill_tokens,
                          random.Random(uuid.uuid4().int), config.routing,
@@ -111,10 +128,7 @@ class Frontend:
         counters = self.flow.counters  # the dict the flow increments in place
         self.metrics.export_flow_counters(lambda: counters)
         self.inflight = 0
-
-    @property
-    def saturated(self) -> bool:
-        return self.inflight >= self.config.max_inflight
+        self.accepting = True  # False once shutting down: new requests get UNAVAILABLE
 
     async def generate_choices(self, reqs: Sequence[ValidRequest], n: int,
                                timeout_s: float | None) -> AsyncIterator[OutputChunk]:
@@ -135,9 +149,12 @@ class Frontend:
     async def generate(self, req: ValidRequest, timeout_s: float | None, n: int = 1,
                        base_index: int = 0) -> AsyncIterator[OutputChunk]:
         """Stream the `n` choices of one prompt (indexes base_index ..); raises `FlowError`
-        with the status to return."""
+        with the status to return (`Overloaded` when admission refuses it, before anything
+        is sent)."""
         rid = f"{req.request_id or 'req'}-{uuid.uuid4().hex[:12]}"  # unique on the workers
         timeout = self.config.default_timeout_s if timeout_s is None else timeout_s
+        if not self.accepting:
+            raise FlowError(grpc.StatusCode.UNAVAILABLE, "router is shutting down")
         if n > 1 and req.params.seed is None:  # one seed for the request: its choices derive
             req = dataclasses.replace(req, params=dataclasses.replace(
                 req.params, seed=self._rng.getrandbits(63)))
@@ -149,11 +166,14 @@ class Frontend:
         prompt_lps: list[pb.TokenLogprob] | None = None
         self.inflight += n
         try:
-            async for ev in self.flow.run(rid, req, timeout, timings, n):
+            allowed = self.gate.admit(rid, req, n, timeout)
+            async for ev in self.flow.run(rid, req, timeout, timings, n,
+                                          decode_allowed=allowed):
                 c = choices[ev.index] if 0 <= ev.index < n else None
                 if c is None or c.done:
                     continue  # a choice the router ended (a stop string)
                 if isinstance(ev, TokenEvent):
+                    self.gate.on_tokens(rid, len(ev.token_ids))
                     prompt_lps = prompt_lps or ev.prompt_logprobs or None
                     out = c.on_tokens(ev, prompt_lps)
                     if c.done and n > 1:
@@ -173,6 +193,7 @@ class Frontend:
             raise
         finally:
             self.inflight -= n
+            self.gate.end(rid)
 
     def _ends(self, p, n_prompt: int, n_output: int, tokens: list[int]) -> bool:
         """Whether the engine's stop rules end the request with these tokens."""

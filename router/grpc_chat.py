@@ -14,7 +14,6 @@ The OpenAI API's own modules do the work (`router.openai.messages`, `.tools`,
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 from collections.abc import AsyncIterator
@@ -38,20 +37,22 @@ from router.openai.tools import (
     parse_tools,
     template_messages,
 )
+from router.tokenize import TokenizerPool
 from router.validation import ValidRequest
 
 MAX_CHOICES = 128
 """Most outputs (`n`) one request may ask for."""
 
 
-async def prepare_request(request: pb.GenerateRequest, tokenizer: Tokenizer,
+async def prepare_request(request: pb.GenerateRequest, tokens: TokenizerPool,
                           config: ToolConfig) -> tuple[pb.GenerateRequest, ToolChoice | None]:
-    """A chat request as token ids (off the event loop); others as they are. ValueError."""
+    """A chat request as token ids (on the tokenizer pool, off the event loop: TokenizerBusy
+    when too many wait); others as they are. ValueError."""
     if request.n > MAX_CHOICES:
-        raise ValueError(f"n must be at most {MAX_CHOICES}, got {request.n}")
+        raise RequestError(f"n must be at most {MAX_CHOICES}, got {request.n}", "n")
     if request.WhichOneof("prompt") != "chat":
         return request, None
-    return await asyncio.to_thread(prepare, request, tokenizer, config)
+    return await tokens.run(prepare, request, tokens.tokenizer, config)
 
 
 async def check_constraint(req: ValidRequest) -> None:

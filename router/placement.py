@@ -116,8 +116,11 @@ class Placement:
         except grpc.aio.AioRpcError:  # only a hint: the request goes on without it
             self.counters["prefetch_hint_failures"] += 1
 
-    def pick_decode(self, matches: dict[str, PrefixMatch], excluded: set[str]) -> WorkerHandle:
-        healthy = prefer_others(self.decode.healthy(), _address, excluded)
+    def pick_decode(self, matches: dict[str, PrefixMatch], excluded: set[str],
+                    allowed: frozenset[str] | None = None) -> WorkerHandle:
+        """`allowed`: the only workers it may pick (admission control's verdict; None: any)."""
+        pool = [w for w in self.decode.healthy() if allowed is None or w.address in allowed]
+        healthy = prefer_others(pool, _address, excluded)
         if self.routing == "round-robin":
             i = self._round_robin("decode", healthy)
         else:

@@ -195,6 +195,18 @@ class WorkerPool:
             await self.poll_once()
         return all(w.healthy for w in self.workers)
 
+    async def wait_any_healthy(self, timeout_s: float) -> bool:
+        """Until one member is healthy (at once for a pool without members): enough to serve.
+        The others join when their polls succeed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self.workers and not self.healthy():
+            if loop.time() >= end:
+                return False
+            await asyncio.sleep(0.1)
+            await self.poll_once()
+        return True
+
     def mark_failed(self, worker: WorkerHandle) -> None:
         """A call to the worker failed with UNAVAILABLE: stop using it until a poll succeeds."""
         if worker.healthy:
@@ -259,7 +271,7 @@ class WorkerPool:
         # answer still counts (the heartbeat timeout, not this one, takes a worker out).
         timeout = self.heartbeat_timeout_s
         try:
-            if w.info is None:
+            if w.info is None or not w.healthy:  # a worker back from the dead: read afresh
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=timeout)
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
             stats = await w.stub.GetStats(request, timeout=timeout)

@@ -3,7 +3,8 @@
     demote  (device pool evicts a cached block)  device ─copy─► host   (host full: LRU ─► SSD)
     demote ahead (between steps)  the next blocks in eviction order ─copy─► host, kept on the
             device too, so their eviction later finds them in host and copies nothing
-    stage   (a waiting request's run reaches SSD)  SSD ─► host in the background; the request
+    stage   (a waiting request's run reaches SSD)  SSD ─► host in the background, the whole
+            run submitted at once (adjacent records in one read, read ahead); the request
             waits for its own reads while the rest of the batch keeps running
     promote (prefix lookup continues past device hits)  host | SSD ─copy─► fresh device blocks
     prefetch (hint from the router)                     SSD ─► host, in the background
@@ -180,9 +181,11 @@ class TierManager:
         blocks were loaded (a block that vanished or failed its checksum ends the run)."""
         self._await_inflight(hashes)
         ssd_reads = {}
-        for i, (h, t) in enumerate(zip(hashes, tokens, strict=True)):
-            if self.ssd is not None and not (self.host is not None and self.host.has(h, t)):
-                ssd_reads[i] = self.ssd.read(h, t)  # all SSD reads in flight at once
+        if self.ssd is not None:  # the run's SSD blocks in flight at once, adjacent ones as one
+            at = [i for i, (h, t) in enumerate(zip(hashes, tokens, strict=True))
+                  if not (self.host is not None and self.host.has(h, t))]
+            futs = self.ssd.read_many([(hashes[i], tokens[i]) for i in at])
+            ssd_reads = dict(zip(at, futs, strict=True))
         t0 = time.perf_counter()
         n = self._load_run(block_ids, hashes, tokens, ssd_reads)
         n_ssd = sum(1 for i in ssd_reads if i < n)
@@ -256,16 +259,17 @@ class TierManager:
 
     def _start_reads(self, hashes: Sequence[bytes]) -> list[bytes]:
         assert self.ssd is not None
-        started = []
-        for h in hashes:
+        wanted: list[tuple[bytes, tuple[int, ...]]] = []
+        for h in dict.fromkeys(hashes):
             tokens = self.ssd.tokens_of(h)
-            if h in self._inflight or tokens is None:
-                continue
-            landed = self._inflight[h] = threading.Event()
-            fut = self.ssd.read(h, tokens)
+            if h not in self._inflight and tokens is not None:
+                wanted.append((h, tokens))
+                self._inflight[h] = threading.Event()
+        # One call for the whole run: its adjacent records are read together, read ahead.
+        for (h, tokens), fut in zip(wanted, self.ssd.read_many(wanted), strict=True):
+            landed = self._inflight[h]
             fut.add_done_callback(lambda f, h=h, t=tokens, ev=landed: self._read_done(h, t, f, ev))
-            started.append(h)
-        return started
+        return [h for h, _ in wanted]
 
     def _read_done(self, block_hash: bytes, tokens: tuple[int, ...], fut,
                    landed: threading.Event) -> None:

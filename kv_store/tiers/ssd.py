@@ -1,33 +1,35 @@
 """SSD tier: append-only segment files of fixed-size, checksummed block records.
 
-    record = header (struct `<4sBxH16sII`: magic, version, n_tokens, hash, crc32, data_len)
-             + token ids (int32 x block_size) + block bytes (opaque)
-
-A segment holds `records_per_segment` records and is only appended to; an in-memory index maps
+A record (`record`: versioned header, int32 token ids, opaque block bytes, one checksum over
+tokens + bytes) is written at the end of the open segment. A segment holds
+`records_per_segment` records and is only appended to; an in-memory index maps
 hash → (segment, offset, token ids). When a new segment would exceed the capacity, the oldest
 segment is deleted with every block in it (FIFO of segments: cheap, no compaction, no
-fragmentation). Each read checks magic, hash, length and the crc32 of tokens + bytes: a record
+fragmentation). Each read checks magic, version, hash, length and the checksum: a record
 that fails is dropped from the index and reported as a miss (the engine recomputes it); it is
 never served. No pickle anywhere: raw bytes behind a struct header.
 
-Reads and writes run on a small thread pool and return futures. A segment's file descriptor is
-closed only when no read or write on it is in flight, so a descriptor number is never reused
-under a pending operation.
+Reads come in runs (`read_many`: the blocks of one request's prefix). A run's blocks were
+usually demoted together, so their records lie next to each other: records adjacent on disk
+are read by one `preadv` of up to `MAX_READ_BYTES` into one uninitialised buffer, and every
+such range is advised to the kernel (`POSIX_FADV_WILLNEED`) when the run is submitted, so the
+disk reads ahead of the I/O threads. Reads and writes run on a small thread pool and return
+futures. A segment's file descriptor is closed only when no read or write on it is in flight,
+so a descriptor number is never reused under a pending operation.
 
 Without `persist`, leftover segment files are deleted at start-up and every segment at
 `close`. With `persist` (a worker with a stable id restarting), `close` keeps the files and
 start-up rebuilds the index from them: each record's header and token ids are read back
-(records of another layout are skipped; a torn or corrupted record still fails its checksum
-when read, so it is recomputed, never served), and the oldest segments beyond the capacity
-are dropped.
+(records of another layout or version are skipped and counted in `num_refused`; a torn or
+corrupted record still fails its checksum when read, so it is recomputed, never served), and
+the oldest segments beyond the capacity are dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-import struct
 import threading
-import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,12 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-MAGIC = b"PDKV"
-VERSION = 1
-# Record version history: 1 — first layout (header as above, int32 tokens, raw block bytes).
-HEADER = struct.Struct("<4sBxH16sII")
+from kv_store.tiers import record
+
+log = logging.getLogger(__name__)
 SEGMENT_GLOB = "seg-*.pdkv"
 DEFAULT_SEGMENT_BYTES = 64 << 20
+MAX_READ_BYTES = 8 << 20  # one preadv of adjacent records: a plain sequential reader's chunk
 
 NotifyFn = Callable[[str, bytes], None]
 """("stored" | "removed", hash): called from I/O threads too."""
@@ -72,7 +74,7 @@ class SSDStore:
         self.dir = Path(directory)
         self.block_bytes = block_bytes
         self.block_size = block_size
-        self.record_bytes = HEADER.size + 4 * block_size + block_bytes
+        self.record_bytes = record.record_bytes(block_size, block_bytes)
         if capacity_bytes < self.record_bytes:
             raise ValueError(f"kv_ssd capacity {capacity_bytes} B holds no block record of "
                              f"{self.record_bytes} B")
@@ -96,6 +98,7 @@ class SSDStore:
         self.num_corrupted = 0
         self.num_evicted = 0
         self.num_recovered = 0
+        self.num_refused = 0  # persisted records of another layout or record version
         if persist:
             self._recover()
 
@@ -141,8 +144,8 @@ class SSDStore:
             if block_hash in self._index or block_hash in self._pending:
                 return _done(False)
             seg, offset = self._reserve()
-            record = _encode(block_hash, tokens, data)
-            fut = self._pool.submit(self._write_record, seg, offset, block_hash, tokens, record)
+            parts = record.encode(block_hash, tokens, data)
+            fut = self._pool.submit(self._write_record, seg, offset, block_hash, tokens, parts)
             self._pending[block_hash] = fut
             self._writes.add(fut)
         fut.add_done_callback(self._write_done)
@@ -175,12 +178,11 @@ class SSDStore:
         return seg, offset
 
     def _write_record(self, seg: _Segment, offset: int, block_hash: bytes,
-                      tokens: tuple[int, ...], record: bytes) -> bool:
+                      tokens: tuple[int, ...], parts: list[bytes]) -> bool:
         ok = False
         try:
             if not seg.dead:
-                os.pwrite(seg.fd, record, offset)
-                ok = True
+                ok = os.pwritev(seg.fd, parts, offset) == self.record_bytes
         except OSError:
             ok = False
         finally:
@@ -197,40 +199,84 @@ class SSDStore:
 
     # -- reads ---------------------------------------------------------------------------
     def read(self, block_hash: bytes, token_ids: Sequence[int]) -> Future[memoryview | None]:
-        """The block's bytes, or None on a miss, a token mismatch or a failed checksum.
-        A block whose write is still in flight is read once the write lands."""
-        with self._lock:
-            writing = self._pending.get(block_hash)
-        if writing is not None:
-            writing.exception()  # wait; a block just demoted is often the one asked for
-        with self._lock:
-            loc = self._index.get(block_hash)
-            if loc is None or loc.tokens != tuple(token_ids):
-                return _done(None)
-            loc.segment.inflight += 1
-        return self._pool.submit(self._read_record, block_hash, loc)
+        """One block (see `read_many`)."""
+        return self.read_many([(block_hash, token_ids)])[0]
 
-    def _read_record(self, block_hash: bytes, loc: _Loc) -> memoryview | None:
-        raw = bytearray(self.record_bytes)
+    def read_many(self, blocks: Sequence[tuple[bytes, Sequence[int]]]
+                  ) -> list[Future[memoryview | None]]:
+        """Futures of the blocks' bytes, in order: None on a miss, a token mismatch or a
+        failed checksum. Blocks whose writes are still in flight are read once they land.
+        Records adjacent on disk are read together (see the module docstring)."""
+        with self._lock:
+            writing = [self._pending[h] for h, _ in blocks if h in self._pending]
+        for w in writing:
+            w.exception()  # wait; a block just demoted is often the one asked for
+        futs: list[Future] = []
+        wanted: list[tuple[_Loc, bytes, Future]] = []
+        with self._lock:
+            for h, t in blocks:
+                loc = self._index.get(h)
+                if loc is None or loc.tokens != tuple(t):
+                    futs.append(_done(None))
+                    continue
+                futs.append(Future())
+                wanted.append((loc, h, futs[-1]))
+            runs = _adjacent_runs(wanted, self.record_bytes,
+                                  max(1, MAX_READ_BYTES // self.record_bytes))
+            for run in runs:
+                run[0][0].segment.inflight += 1
+        for run in runs:
+            self._advise(run)
+            self._pool.submit(self._read_run, run)
+        return futs
+
+    def _advise(self, run: list[tuple[_Loc, bytes, Future]]) -> None:
+        """Tell the kernel this range is wanted soon, so it reads ahead of the I/O threads."""
+        loc = run[0][0]
         try:
-            if os.preadv(loc.segment.fd, [raw], loc.offset) != len(raw):
-                raw = bytearray()
+            os.posix_fadvise(loc.segment.fd, loc.offset, len(run) * self.record_bytes,
+                             os.POSIX_FADV_WILLNEED)
+        except (OSError, AttributeError):  # advice only: a platform without it reads anyway
+            pass
+
+    def _read_run(self, run: list[tuple[_Loc, bytes, Future]]) -> None:
+        """I/O thread: one read of adjacent records, then each is checked and resolved
+        (whatever happens, every future of the run is resolved)."""
+        found: list[memoryview | None] = [None] * len(run)
+        try:
+            view = memoryview(self._read_range(run[0][0], len(run) * self.record_bytes))
+            for i, (loc, h, _) in enumerate(run):
+                rec = view[i * self.record_bytes:(i + 1) * self.record_bytes]
+                found[i] = record.decode(rec, h, loc.tokens, self.block_bytes)
+                if found[i] is None:
+                    self._corrupted(h, loc)
+        finally:
+            for (_, _, fut), data in zip(run, found, strict=True):
+                if fut.set_running_or_notify_cancel():  # False: the caller cancelled it
+                    fut.set_result(data)
+
+    def _read_range(self, loc: _Loc, nbytes: int) -> np.ndarray:
+        """`nbytes` from `loc` into an uninitialised buffer (shorter on a short read or an
+        error); releases the segment taken in `read_many`."""
+        buf = np.empty(nbytes, dtype=np.uint8)  # no zero fill: every byte is read over
+        try:
+            got = os.preadv(loc.segment.fd, [buf], loc.offset)
         except OSError:
-            raw = bytearray()
+            got = 0
         finally:
             with self._lock:
                 self._release(loc.segment)
-        data = _decode(raw, block_hash, loc.tokens, self.block_bytes)
-        if data is None:
-            with self._lock:
-                self.num_corrupted += 1
-                dropped = self._index.get(block_hash) is loc
-                if dropped:
-                    del self._index[block_hash]
-                    loc.segment.hashes.pop(block_hash, None)
-            if dropped and self._notify:
-                self._notify("removed", block_hash)
-        return data
+        return buf[:got]
+
+    def _corrupted(self, block_hash: bytes, loc: _Loc) -> None:
+        with self._lock:
+            self.num_corrupted += 1
+            dropped = self._index.get(block_hash) is loc
+            if dropped:
+                del self._index[block_hash]
+                loc.segment.hashes.pop(block_hash, None)
+        if dropped and self._notify:
+            self._notify("removed", block_hash)
 
     # -- recovery (persist) --------------------------------------------------------------
     def _recover(self) -> None:
@@ -254,20 +300,22 @@ class SSDStore:
             while len(self._segments) > self.max_segments:
                 self._drop_segment(self._segments[0])
         self.num_recovered = len(self._index)
+        if self.num_refused:
+            log.warning("SSD tier %s: %d persisted records of another layout or record version "
+                        "(this one writes version %d) were skipped; their blocks will be "
+                        "recomputed", self.dir, self.num_refused, record.VERSION)
         if self._notify:
             for h in list(self._index):
                 self._notify("stored", h)
 
     def _read_header(self, fd: int, offset: int) -> tuple[bytes, tuple[int, ...]] | None:
         """(hash, token ids) of the record at `offset` if its header fits this layout."""
-        n_tok = 4 * self.block_size
-        raw = os.pread(fd, HEADER.size + n_tok, offset)
-        if len(raw) != HEADER.size + n_tok:
+        raw = os.pread(fd, record.HEADER.size + 4 * self.block_size, offset)
+        found = record.parse_header(raw, self.block_size, self.block_bytes)
+        if found is None:
+            self.num_refused += 1
             return None
-        magic, version, n, h, _crc, length = HEADER.unpack_from(raw)
-        if (magic, version, n, length) != (MAGIC, VERSION, self.block_size, self.block_bytes):
-            return None
-        return h, tuple(np.frombuffer(raw, dtype="<i4", offset=HEADER.size).tolist())
+        return found.block_hash, found.tokens
 
     # -- eviction and shutdown -----------------------------------------------------------
     def _drop_segment(self, seg: _Segment) -> None:
@@ -309,29 +357,18 @@ def _segment_id(path: Path) -> int:
     return int(tail) if tail.isdigit() else -1
 
 
-def _encode(block_hash: bytes, tokens: tuple[int, ...], data: bytes) -> bytes:
-    tok = np.asarray(tokens, dtype="<i4").tobytes()
-    crc = zlib.crc32(data, zlib.crc32(tok))
-    return HEADER.pack(MAGIC, VERSION, len(tokens), block_hash, crc, len(data)) + tok + data
-
-
-def _decode(raw: bytearray, block_hash: bytes, tokens: tuple[int, ...],
-            block_bytes: int) -> memoryview | None:
-    """The block bytes of a record (a writable view into `raw`), or None if it fails a check."""
-    n_tok = 4 * len(tokens)
-    if len(raw) != HEADER.size + n_tok + block_bytes:
-        return None
-    magic, version, n, h, crc, length = HEADER.unpack_from(raw)
-    if (magic, version, n, h, length) != (MAGIC, VERSION, len(tokens), block_hash, block_bytes):
-        return None
-    view = memoryview(raw)
-    tok = view[HEADER.size:HEADER.size + n_tok]
-    data = view[HEADER.size + n_tok:]
-    if zlib.crc32(data, zlib.crc32(tok)) != crc:
-        return None
-    if np.frombuffer(tok, dtype="<i4").tolist() != list(tokens):
-        return None
-    return data
+def _adjacent_runs(wanted: list[tuple[_Loc, bytes, Future]], record_bytes: int,
+                   max_records: int) -> list[list[tuple[_Loc, bytes, Future]]]:
+    """Group reads into runs of records that follow each other in one segment."""
+    runs: list[list[tuple[_Loc, bytes, Future]]] = []
+    for item in sorted(wanted, key=lambda w: (w[0].segment.seg_id, w[0].offset)):
+        last = runs[-1][-1][0] if runs else None
+        if (last is not None and last.segment is item[0].segment and len(runs[-1]) < max_records
+                and item[0].offset == last.offset + record_bytes):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 def _done(value):

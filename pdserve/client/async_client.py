@@ -151,7 +151,8 @@ class AsyncClient:
                 return await attempt(deadline.remaining())
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng)
+                wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng,
+                                 error.retry_after_s)
                 if wait is None:
                     raise error from err
             await asyncio.sleep(wait)
@@ -178,7 +179,8 @@ class AsyncClient:
                 error = from_rpc_error(err)
                 wait = None
                 if last is None:  # nothing reached the caller yet: a restart is invisible
-                    wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng)
+                    wait = next_wait(self._config.retry, error.code, retries, deadline,
+                                     self._rng, error.retry_after_s)
                 if wait is None:
                     raise error from err
             finally:

@@ -12,14 +12,20 @@ from types import MappingProxyType
 
 import grpc
 
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata the router sets on RESOURCE_EXHAUSTED: milliseconds to wait first."""
+
 
 class PDServeError(Exception):
-    """A pdserve call failed with gRPC status `code`; `message` is the server's explanation."""
+    """A pdserve call failed with gRPC status `code`; `message` is the server's explanation.
+    `retry_after_s`: how long the server asked to wait before trying again, if it did."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 retry_after_s: float | None = None) -> None:
         super().__init__(code, message)
         self.code = code
         self.message = message
+        self.retry_after_s = retry_after_s
 
     def __str__(self) -> str:
         return f"{self.code.name}: {self.message}"
@@ -92,14 +98,33 @@ _BY_CODE: MappingProxyType[grpc.StatusCode, type[_FixedCodeError]] = MappingProx
 )
 
 
-def error_for(code: grpc.StatusCode, message: str) -> PDServeError:
+def error_for(code: grpc.StatusCode, message: str,
+              retry_after_s: float | None = None) -> PDServeError:
     """The exception for a status: its subclass when the API names it, else the base class."""
     cls = _BY_CODE.get(code)
-    return cls(message) if cls is not None else PDServeError(code, message)
+    err = cls(message) if cls is not None else PDServeError(code, message)
+    err.retry_after_s = retry_after_s
+    return err
 
 
 def from_rpc_error(err: grpc.RpcError) -> PDServeError:
     """Converts an error raised by grpc (sync or aio) into the SDK's exception."""
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else None
-    return error_for(code or grpc.StatusCode.UNKNOWN, details or str(err))
+    return error_for(code or grpc.StatusCode.UNKNOWN, details or str(err), _retry_after(err))
+
+
+def _retry_after(err: grpc.RpcError) -> float | None:
+    """The server's retry hint (`retry-after-ms` trailing metadata), in seconds."""
+    try:
+        trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
+    except Exception:  # noqa: BLE001 - a call that never started has no metadata
+        return None
+    for key, value in trailing or ():
+        if key == RETRY_AFTER_KEY:
+            try:
+                ms = float(value)
+            except (TypeError, ValueError):
+                return None
+            return ms / 1000.0 if 0.0 <= ms < 3.6e6 else None
+    return None

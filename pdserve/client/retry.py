@@ -1,8 +1,10 @@
 """When and how long the client waits before retrying a failed call; pure policy, no I/O.
 
-Only UNAVAILABLE is retried: it means no server or worker could take the request, so nothing
-ran and trying again is safe. Every other status is final (a bad request stays bad; an
-overloaded server should not be hammered; a deadline is the caller's limit). A `stream` is not
+UNAVAILABLE is retried: it means no server or worker could take the request, so nothing ran
+and trying again is safe. RESOURCE_EXHAUSTED is retried only when the server said when to come
+back (`retry-after-ms`): the wait is that hint (plus up to 10% jitter), never shorter, so an
+overloaded server is not hammered. Every other status is final (a bad request stays bad; a
+deadline is the caller's limit). A `stream` is not
 retried once a chunk reached the caller, since a restart would repeat output already seen.
 Backoff is exponential with "equal jitter" (half fixed, half random) so clients that failed
 together do not come back together, and it always fits inside the call's deadline.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE})
+RETRYABLE_WITH_HINT = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,16 @@ def next_wait(
     retries_done: int,
     deadline: Deadline,
     rng: random.Random,
+    retry_after_s: float | None = None,
 ) -> float | None:
-    """Seconds to wait before retrying a call that failed with `code`, or None to give up."""
-    if not policy.should_retry(code, retries_done):
+    """Seconds to wait before retrying a call that failed with `code`, or None to give up.
+    `retry_after_s`: the server's hint, if it sent one."""
+    if retries_done >= policy.max_retries:
         return None
-    wait = policy.backoff_s(retries_done, rng)
+    if code in RETRYABLE_WITH_HINT and retry_after_s is not None:
+        wait = retry_after_s * (1.0 + 0.1 * rng.random())
+    elif policy.should_retry(code, retries_done):
+        wait = max(policy.backoff_s(retries_done, rng), retry_after_s or 0.0)
+    else:
+        return None
     return wait if deadline.leaves_time_after(wait) else None

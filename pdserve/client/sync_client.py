@@ -49,7 +49,8 @@ class Client:
         """Connects (lazily) to the router at target ("host:port").
 
         token: bearer token sent with every call. timeout: default deadline per call, seconds.
-        max_retries: retries on UNAVAILABLE. root_certificates: PEM roots, enables TLS;
+        max_retries: retries on UNAVAILABLE (and on RESOURCE_EXHAUSTED with a retry hint,
+        after the hinted wait). root_certificates: PEM roots, enables TLS;
         private_key + certificate_chain (PEM) add a client certificate (mutual TLS).
         """
         self._config = make_config(
@@ -149,7 +150,8 @@ class Client:
                 return attempt(deadline.remaining())
             except grpc.RpcError as err:
                 error = from_rpc_error(err)
-                wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng)
+                wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng,
+                                 error.retry_after_s)
                 if wait is None:
                     raise error from err
             time.sleep(wait)
@@ -176,7 +178,8 @@ class Client:
                 error = from_rpc_error(err)
                 wait = None
                 if last is None:  # nothing reached the caller yet: a restart is invisible
-                    wait = next_wait(self._config.retry, error.code, retries, deadline, self._rng)
+                    wait = next_wait(self._config.retry, error.code, retries, deadline,
+                                     self._rng, error.retry_after_s)
                 if wait is None:
                     raise error from err
             finally:

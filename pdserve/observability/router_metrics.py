@@ -84,6 +84,11 @@ class RouterMetrics:
         self.cached_tokens = Counter("pdserve_cached_prompt_tokens",
                                      "Prompt tokens served from a worker's prefix cache.",
                                      registry=r)
+        self.admission_slowdown = Gauge(
+            "pdserve_router_admission_slowdown",
+            "Time per token the router's streams see over what the decode workers' step "
+            "models predict (admission scales step times by it).", registry=r)
+        self.admission_slowdown.set(1.0)
 
     def export_flow_counters(self, counters: Callable[[], Mapping[str, float]]) -> None:
         """Export the flow's counters (`FLOW_COUNTERS`), read from `counters()` on each

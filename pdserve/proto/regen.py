@@ -17,6 +17,7 @@ import argparse
 import difflib
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 from importlib import metadata, resources
@@ -41,21 +42,21 @@ def find_protos(proto_dir: Path) -> list[str]:
 
 
 def run_protoc(proto_dir: Path, out_dir: Path, protos: list[str]) -> None:
-    """Runs grpc_tools' bundled protoc in-process over `protos`, writing into out_dir."""
-    from grpc_tools import protoc  # dev-only dependency: imported where it is needed
-
+    """Runs grpc_tools' bundled protoc over `protos`, writing into out_dir."""
     well_known = resources.files("grpc_tools") / "_proto"
-    args = [
-        "protoc",  # argv[0]
-        f"--proto_path={proto_dir}",
-        f"--proto_path={well_known}",
-        f"--python_out={out_dir}",
-        f"--pyi_out={out_dir}",
-        f"--grpc_python_out={out_dir}",
-        *(str(proto_dir / p) for p in protos),
-    ]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {protos} (see its messages above)")
+    protoc([f"--proto_path={proto_dir}", f"--proto_path={well_known}",
+            f"--python_out={out_dir}", f"--pyi_out={out_dir}", f"--grpc_python_out={out_dir}",
+            *(str(proto_dir / p) for p in protos)])
+
+
+def protoc(args: list[str]) -> None:
+    """grpc_tools' protoc in a child process: its native library and NIXL's abort a process
+    that loads both (`munmap_chunk(): invalid pointer`), so no test or tool process imports
+    it. Raises RuntimeError with protoc's messages when it fails."""
+    proc = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args],
+                          capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"protoc failed:\n{proc.stderr or proc.stdout}")
 
 
 def generated_modules(protos: list[str]) -> set[str]:

@@ -10,6 +10,10 @@ from an asyncio queue that the engine thread feeds through `call_soon_threadsafe
 When it has no work, the engine thread spends the pause on `engine.idle_tick()` (KV blocks
 next in line for eviction are copied to the host tier ahead of time) until that reports
 nothing left, and only then blocks waiting for commands.
+
+Every step is timed into `meter` (the worker's speed model, `step_meter`), from the end of the
+previous step while the loop stays busy (so the time between steps counts too), which
+`start()` first calibrates with a few dummy steps unless told not to.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from pdserve.engine.engine import IO_STALL_WAIT_S, LLMEngine
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.outputs import StepOutput
+from pdserve.serving import step_meter
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -32,8 +38,11 @@ StepFn = Callable[[LLMEngine], list[StepOutput]]
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop,
-                 step_fn: StepFn | None = None, name: str = "engine") -> None:
+                 step_fn: StepFn | None = None, name: str = "engine",
+                 calibrate: bool = True) -> None:
         self.engine = engine
+        self.meter = step_meter.StepMeter()
+        self._calibrate = calibrate
         self._loop = loop
         self._step_fn = step_fn or (lambda e: e.step())
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
@@ -51,6 +60,9 @@ class EngineLoop:
         self._step_fn = step_fn
 
     def start(self) -> None:
+        if self._calibrate:  # before the thread: nothing else touches the engine yet
+            step_meter.calibrate(self.engine, self.meter)
+            self.stats = self.engine.stats()
         self._thread.start()
 
     def stop(self) -> None:
@@ -96,20 +108,33 @@ class EngineLoop:
 
     # -- engine thread -------------------------------------------------------------------
     def _run(self) -> None:
+        last_end = None  # end of the previous step, while the loop stays busy
         try:
             while not self._stop.is_set():
                 idle = not self.engine.has_unfinished()
                 worked = idle and self.engine.idle_tick() > 0
                 stalled = not idle and self.engine.stalled_on_io
+                if idle or stalled:
+                    last_end = None  # a pause is not a step's cost
                 # Stalled: every waiting request waits for its SSD reads; poll, do not spin.
                 self._drain_commands(block=(idle and not worked) or stalled,
                                      timeout_s=IO_STALL_WAIT_S if stalled else 0.5)
                 self.stats = self.engine.stats()
                 if self._stop.is_set() or not self.engine.has_unfinished():
                     continue
+                queued = self.stats["queued_prefill_tokens"]
+                t0 = time.perf_counter()
                 outputs = self._step_fn(self.engine)
+                end = time.perf_counter()
+                # What a request waits per step: the step and, while busy, the commands and
+                # bookkeeping between steps (GIL shared with the server's threads).
+                elapsed, last_end = end - (last_end if last_end is not None else t0), end
                 self.steps += 1
                 self.stats = self.engine.stats()
+                # Tokens computed: prefill progress plus the tokens sampled (decode).
+                prefilled = max(queued - self.stats["queued_prefill_tokens"], 0)
+                self.meter.observe(int(prefilled) + sum(len(o.new_token_ids) for o in outputs),
+                                   elapsed)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._dispatch, outputs)
         except BaseException as exc:  # noqa: BLE001 - reported through health checks

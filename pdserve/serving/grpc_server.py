@@ -41,10 +41,13 @@ class RunningServer:
 
 async def start_server(host: str, port: int, register: Callable[[grpc.aio.Server], None],
                        service_names: Sequence[str], tls: TLSConfig | None = None,
-                       interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
-                       ) -> RunningServer:
-    """Bind exactly `host:port` (0 = a free port), register services, start serving."""
-    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors))
+                       interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                       max_receive_bytes: int = MAX_MESSAGE_BYTES) -> RunningServer:
+    """Bind exactly `host:port` (0 = a free port), register services, start serving.
+    Messages over `max_receive_bytes` are refused by gRPC before they are read."""
+    options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v)
+               for k, v in SERVER_OPTIONS]
+    server = grpc.aio.server(options=options, interceptors=list(interceptors))
     register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -61,6 +61,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         if not self.loop.alive:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "engine loop is not running")
         stats = self.loop.stats  # never waits for a step: a long prefill is not a dead worker
+        speed = self.loop.meter.model()
         return worker_pb.WorkerStats(
             worker_id=self.options.worker_id, role=self.options.role,
             num_running=int(stats["num_running"]),
@@ -74,7 +75,10 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
                          if k.startswith(("spec_", "kv_tier_", "prefix_cache_",
                                           "num_preemptions"))},
                       **self.transfer_counters()},
-            kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events))
+            kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events),
+            step_model=worker_pb.StepModel(step_base_s=speed.base_s,
+                                           step_per_token_s=speed.per_token_s,
+                                           samples=speed.samples))
 
     def _kv_events(self, snapshot: bool, take: bool) -> bytes:
         """Prefix-cache changes since the last taker's poll (or everything held, on request).
@@ -98,6 +102,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             block_size=e.config.block_size, tp_size=e.config.tensor_parallel_size,
             max_model_len=e.max_model_len, endpoints=public_endpoints(self.endpoints),
             api_version=WORKER_API_VERSION, hash_extra=e.hash_extra,
+            max_num_seqs=e.config.max_num_seqs,
+            max_num_batched_tokens=e.config.max_num_batched_tokens,
             kv_bytes_per_block=e.kv_layout.block_bytes(e.tp.size))
 
     async def Prefetch(self, request, context):
@@ -184,7 +190,11 @@ class DrainConfig:
     registry, so routers in discovery mode (reconciling every second) stop picking it first."""
     grace_s: float = 30.0
     """Longest wait for calls in flight and background work (KV transfers) to finish; what is
-    left then is cancelled."""
+    left then is cancelled (`--drain-timeout`)."""
+
+    @classmethod
+    def of(cls, options: WorkerOptions) -> DrainConfig:
+        return cls(grace_s=options.drain_timeout_s)
 
 
 async def drain(server: RunningServer, link: IndexLink | None,

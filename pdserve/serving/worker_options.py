@@ -44,6 +44,9 @@ class WorkerOptions:
     """Redis KV index (`redis://[user]:password@host:port/db`): the worker registers there
     under its gRPC address and publishes its prefix-cache changes ("" = none: the router
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM: longest wait for the calls in flight (and KV transfers) to finish before
+    the worker exits (`--drain-timeout`; `worker_base.DrainConfig.grace_s`)."""
     redis_ca: str = ""
     """PEM CA file of a `rediss://` server ("" = the system's roots)."""
     lease: LeaseConfig = field(default_factory=LeaseConfig)
@@ -113,6 +116,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM, longest wait in seconds for requests in flight to finish "
+                        "before exiting (default 30)")
     p.add_argument("--redis-ca", default=os.environ.get(REDIS_CA_ENV, ""), metavar="FILE",
                    help=f"CA of a rediss:// index server (default: ${REDIS_CA_ENV})")
     security_args.add_tls_args(p, server_name=True)
@@ -176,6 +182,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
         kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
         kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
+    if not 0 <= a.drain_timeout <= 3600:
+        raise ValueError(f"--drain-timeout must be in [0, 3600] seconds, got {a.drain_timeout}")
     if not -1 <= a.metrics_port <= 65535:
         raise ValueError(f"--metrics-port must be -1 (off), 0 (any free port) or a port "
                          f"number, got {a.metrics_port}")
@@ -185,7 +193,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                          redis_url=a.redis, redis_ca=a.redis_ca, lease=lease,
                          kv_transport=check_kv_transport(a.kv_transport),
-                         security=security_from_args(a))
+                         security=security_from_args(a), drain_timeout_s=a.drain_timeout)
 
 
 def security_from_args(a: argparse.Namespace) -> InternalSecurity:

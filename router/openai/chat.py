@@ -8,7 +8,6 @@ back what may still open a call and turns calls into OpenAI's tool-call deltas.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from router.openai import constraints
 from router.openai.body import read_json
 from router.openai.completions import response_id
 from router.openai.errors import RequestError
-from router.openai.generation import ApiContext, respond
+from router.openai.generation import ApiContext, respond, tokenize
 from router.openai.responses import (
     TokenText,
     chat_logprobs,
@@ -47,12 +46,12 @@ _RESERVED_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
 
 
 async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
-    req = parse_chat(await read_json(request), ctx.model, ctx.tools, ctx.ignored)
+    req = parse_chat(await read_json(request, ctx.body), ctx.model, ctx.tools, ctx.ignored)
     if req.params.structured is not None:
         await constraints.check(req.params.structured)
     tokenizer = ctx.frontend.tokenizer
     try:
-        ids = await asyncio.to_thread(encode_chat, tokenizer, req)
+        ids = await tokenize(ctx, encode_chat, tokenizer, req)
     except ValueError as exc:  # no template, or the template refused these messages
         raise RequestError(f"messages: {exc}", "messages") from None
     explicit = req.params.max_tokens if req.max_tokens_explicit else None

@@ -4,7 +4,6 @@ or its stream. Prompt i's choice j has index i * n + j; `echo` puts the prompt (
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
@@ -17,7 +16,7 @@ from pdserve.tokenizer import Tokenizer
 from router.frontend import OutputChunk, Usage
 from router.openai import constraints
 from router.openai.body import read_json
-from router.openai.generation import ApiContext, respond
+from router.openai.generation import ApiContext, respond, tokenize
 from router.openai.responses import (
     TokenText,
     completion_logprobs,
@@ -41,11 +40,11 @@ class PromptView:
 
 
 async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
-    req = parse_completion(await read_json(request), ctx.model, ctx.ignored)
+    req = parse_completion(await read_json(request, ctx.body), ctx.model, ctx.ignored)
     if req.params.structured is not None:
         await constraints.check(req.params.structured)
     tokenizer = ctx.frontend.tokenizer
-    views = await asyncio.to_thread(_views, tokenizer, req)
+    views = await tokenize(ctx, _views, tokenizer, req)
     explicit = req.params.max_tokens if req.max_tokens_explicit and req.generate else None
     for v in views:
         check_prompt_ids(v.ids, ctx.model, "prompt", explicit)

@@ -1,12 +1,17 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` plus an HTTP status.
 
-Owns the one mapping from the router's gRPC statuses (`FlowError.code`) to HTTP statuses, and
-`RequestError`, the validation error that names the offending request field (a 400).
+Owns the one mapping from the router's gRPC statuses (`FlowError.code`) to HTTP statuses.
+`RequestError`, the validation error that names the offending request field (a 400), is the
+one both public APIs share (`router/validation.py`).
 """
 
 from __future__ import annotations
 
+import math
+
 import grpc
+
+from router.validation import RequestError
 
 # gRPC status -> (HTTP status, OpenAI error type). 499 is nginx's "client closed request".
 _FROM_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -24,25 +29,18 @@ _FROM_GRPC: dict[grpc.StatusCode, tuple[int, str]] = {
 _SERVER_ERROR = (500, "server_error")
 
 
-class RequestError(ValueError):
-    """A request field is missing, of the wrong type or out of range (HTTP 400)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
 class ApiError(Exception):
     """Ends an HTTP request with `status` and an OpenAI error body."""
 
     def __init__(self, status: int, message: str, type_: str, param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -56,6 +54,22 @@ def bad_request(exc: RequestError) -> ApiError:
 def from_status(code: grpc.StatusCode, message: str) -> ApiError:
     status, type_ = _FROM_GRPC.get(code, _SERVER_ERROR)
     return ApiError(status, message, type_, None, code.name.lower())
+
+
+def too_many_requests(message: str, retry_after_s: float) -> ApiError:
+    """429 with `Retry-After` (whole seconds, at least 1: what HTTP clients understand)."""
+    return ApiError(429, message, "rate_limit_error", None, "resource_exhausted",
+                    {"Retry-After": str(max(math.ceil(retry_after_s), 1))})
+
+
+def request_timeout(what: str, seconds: float) -> ApiError:
+    return ApiError(408, f"the request {what} did not arrive within {seconds:g}s",
+                    "invalid_request_error", None, "request_timeout")
+
+
+def body_too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes",
+                    "invalid_request_error", None, "request_too_large")
 
 
 def unauthenticated() -> ApiError:

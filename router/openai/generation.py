@@ -1,11 +1,12 @@
 """Run one validated request (one prompt or a batch, each with one or more choices) through
 the frontend and answer it as JSON or as an SSE stream.
 
-    capacity check ─► first chunk ─┬─ not streaming: collect every choice ─► one JSON body
-                                   │  (best_of > n: the n with the highest total logprob)
-                                   └─ streaming: 200 + head events, one event per chunk of
-                                      any choice (interleaved, tagged with its index),
-                                      [usage event], [DONE]
+    admission (first chunk) ─► refused: 429 + Retry-After
+                  ─► first chunk ─┬─ not streaming: collect every choice ─► one JSON body
+                                  │  (best_of > n: the n with the highest total logprob)
+                                  └─ streaming: 200 + head events, one event per chunk of
+                                     any choice (interleaved, tagged with its index),
+                                     [usage event], [DONE]
     An error before the first chunk is an HTTP error; after it, a final `data: {"error": ...}`.
 
 Leaving early (client gone: a failed write or the handler cancelled) closes the frontend's
@@ -16,22 +17,26 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import grpc
 from aiohttp import web
 
 from router.flow import FlowError
-from router.frontend import Frontend, OutputChunk, Usage, UsageTotal
+from router.frontend import Frontend, OutputChunk, Overloaded, Usage, UsageTotal
 from router.openai import sse
-from router.openai.errors import ApiError, from_status
+from router.openai.body import BodyLimits
+from router.openai.errors import ApiError, from_status, too_many_requests
 from router.openai.responses import joined
 from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel
 from router.openai.tools import ToolConfig
+from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,16 @@ class ApiContext:
     ignored: IgnoredFields = field(default_factory=lambda: IgnoredFields(log))
     prompt_tokens_details: bool = False
     """usage.prompt_tokens_details (cached tokens), vLLM's --enable-prompt-tokens-details."""
+    body: BodyLimits = BodyLimits()
+
+
+async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
+    """`fn(*args)` (tokenizer work, bounded by the request's checks) on the frontend's
+    tokenizer pool, off the event loop; a busy pool is a 429."""
+    try:
+        return await ctx.frontend.tokens.run(fn, *args)
+    except TokenizerBusy as exc:
+        raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
 
 
 class Shaper(Protocol):
@@ -71,9 +86,6 @@ async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidReq
                   shaper: Shaper, out: OutputOptions, best_of: int | None = None
                   ) -> web.StreamResponse:
     frontend = ctx.frontend
-    if frontend.saturated:
-        raise ApiError(429, f"router has {frontend.inflight} requests in flight; retry later",
-                       "rate_limit_error", None, "resource_exhausted")
     per_prompt = best_of or out.n
     async with aclosing(frontend.generate_choices(reqs, per_prompt, None)) as chunks:
         try:
@@ -82,6 +94,8 @@ async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidReq
                 collected = [chunk] + [c async for c in chunks]
                 choices, usage = _whole(collected, len(reqs), per_prompt, out.n)
                 return web.json_response(shaper.body(choices, usage), dumps=sse.dumps)
+        except Overloaded as exc:
+            raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
         except FlowError as exc:
             raise from_status(exc.code, str(exc)) from None
         resp = await sse.open_stream(request)

@@ -7,7 +7,6 @@ included) and answers vLLM's shape: `{"count", "max_model_len", "tokens", "token
 
 from __future__ import annotations
 
-import asyncio
 from importlib import metadata
 from typing import Any
 
@@ -17,9 +16,11 @@ from router.openai import chat, completions, fields, sse
 from router.openai.body import read_json
 from router.openai.errors import RequestError, model_not_found
 from router.openai.generation import ApiContext
+from router.openai.generation import tokenize as tokenize_job
 from router.openai.messages import parse_messages
 from router.openai.schemas import ChatRequest, OutputOptions, template_options
 from router.openai.tools import ToolChoice, ToolMode, tool_definitions
+from router.validation import check_text
 
 
 def version() -> str:
@@ -30,7 +31,7 @@ def version() -> str:
 
 
 async def tokenize(request: web.Request, ctx: ApiContext) -> web.Response:
-    body = await read_json(request)
+    body = await read_json(request, ctx.body)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _check_model(body, ctx)
@@ -38,17 +39,20 @@ async def tokenize(request: web.Request, ctx: ApiContext) -> web.Response:
     as_strs = fields.boolean(body, "return_token_strs", False)
     if body.get("messages") is not None:
         messages, _ = parse_messages(body["messages"])
+        check_text("\n".join(m["content"] for m in messages) or " ", ctx.model.limits,
+                   "messages")  # bounded before the template renders them, as in chat
         req = ChatRequest(messages, None, OutputOptions(),  # type: ignore[arg-type]
                           tools=ToolChoice(ToolMode.NONE,
                                            definitions=tool_definitions(body.get("tools"))),
                           template=template_options(body))
         try:
-            ids = await asyncio.to_thread(chat.encode_chat, tokenizer, req)
+            ids = await tokenize_job(ctx, chat.encode_chat, tokenizer, req)
         except ValueError as exc:
             raise RequestError(f"messages: {exc}", "messages") from None
     elif isinstance(body.get("prompt"), str):
         special = fields.boolean(body, "add_special_tokens", True)
-        ids = await asyncio.to_thread(tokenizer.encode, body["prompt"], special)
+        check_text(body["prompt"], ctx.model.limits, "prompt")
+        ids = await tokenize_job(ctx, tokenizer.encode, body["prompt"], special)
     else:
         raise RequestError("give prompt (a string) or messages", "prompt")
     strs = tokenizer.convert_ids_to_tokens(ids) if as_strs else None
@@ -57,7 +61,7 @@ async def tokenize(request: web.Request, ctx: ApiContext) -> web.Response:
 
 
 async def detokenize(request: web.Request, ctx: ApiContext) -> web.Response:
-    body = await read_json(request)
+    body = await read_json(request, ctx.body)
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     _check_model(body, ctx)
@@ -81,7 +85,7 @@ async def tokenizer_info(request: web.Request, ctx: ApiContext) -> web.Response:
 
 async def invocations(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     """SageMaker's single entry point: a chat body (with `messages`) or a completion."""
-    body = await read_json(request)
+    body = await read_json(request, ctx.body)
     request["pdserve_body"] = body  # the handlers read the body once; hand it over
     if isinstance(body, dict) and "messages" in body:
         return await chat.handle(request, ctx)

@@ -32,9 +32,9 @@ from router.openai import fields as f
 from router.openai.errors import RequestError, model_not_found
 from router.openai.messages import parse_messages
 from router.openai.tools import NO_TOOLS, ToolChoice, ToolConfig, constraint, parse_tools
+from router.validation import INT32_MAX, RequestLimits, check_params, check_text
+from router.validation import check_prompt_ids as check_ids
 
-INT32_MAX = 2**31 - 1
-FLOAT32_MAX = 3.4028234663852886e38
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
 MAX_N = 128
@@ -72,6 +72,8 @@ class ServedModel:
     vocab_size: int
     created: int
     """Unix time the router started (the `created` of /v1/models)."""
+    max_token_bytes: int = 4
+    """Bytes of the tokenizer's longest token (`RequestLimits`)."""
     root: str = ""
     """The checkpoint the model was loaded from (/v1/models `root`)."""
     aliases: tuple[str, ...] = ()
@@ -80,6 +82,11 @@ class ServedModel:
     @property
     def names(self) -> tuple[str, ...]:
         return (self.id, *self.aliases)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The limits gRPC requests meet too (`router/validation.py`)."""
+        return RequestLimits(self.max_model_len, self.vocab_size, self.max_token_bytes)
 
 
 class IgnoredFields:
@@ -189,8 +196,12 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
     prompt_lp = _max_opt(out.prompt_logprobs, scored)
     internal_lp = logprobs if logprobs is not None or best_of == out.n else 0
     params = _sampling(fields, model, "max_tokens", max_tokens, internal_lp, prompt_lp)
+    prompts = _prompts(fields.get("prompt"))
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text(prompt, model.limits, "prompt")  # before anyone tokenises it
     return CompletionRequest(
-        _prompts(fields.get("prompt")), params, out, logprobs, best_of,
+        prompts, params, out, logprobs, best_of,
         f.boolean(fields, "add_special_tokens", True),
         f.integer(fields, "truncate_prompt_tokens", None, 1, INT32_MAX), generate,
         "max_tokens" in fields)
@@ -202,6 +213,8 @@ def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = N
     _check_model(fields, model)
     out = _output_options(fields)
     messages, extra_keys = parse_messages(fields.get("messages"))
+    # The contents bound the rendered prompt's tokens from below, as a text's bytes do.
+    check_text("\n".join(_texts(messages)) or " ", model.limits, "messages")
     if ignored is not None and extra_keys:
         ignored.report(extra_keys, "chat message")
     want_lp, top = _chat_logprobs(fields)
@@ -235,17 +248,9 @@ def parse_json_body(raw: bytes) -> Any:
 
 def check_prompt_ids(ids: list[int], model: ServedModel, param: str,
                      max_tokens: int | None = None) -> None:
-    """Token ids the workers accept: non-empty, in the vocabulary, leaving room for output
-    (for `max_tokens` of it, when the client set it)."""
-    if not ids:
-        raise RequestError(f"{param} must not be empty", param)
-    bad = [t for t in ids if not 0 <= t < model.vocab_size]
-    if bad:
-        raise RequestError(f"{param} contains token ids out of vocabulary (outside "
-                           f"[0, {model.vocab_size})): {bad[:5]}", param)
-    if len(ids) >= model.max_model_len:
-        raise RequestError(f"{param} has {len(ids)} tokens; the model's context is "
-                           f"{model.max_model_len} tokens", param)
+    """Token ids the workers accept (`validation.check_prompt_ids`, as on gRPC), leaving
+    room for `max_tokens` of output when the client set it."""
+    check_ids(ids, model.limits, param)
     if max_tokens is not None and len(ids) + max_tokens > model.max_model_len:
         raise RequestError(f"This model's maximum context length is {model.max_model_len} "
                            f"tokens. However, you requested {len(ids) + max_tokens} tokens "
@@ -315,9 +320,6 @@ def _output_options(fields: dict[str, Any]) -> OutputOptions:
 
 def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_tokens: Any,
               logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-    if f.is_int(max_tokens) and max_tokens > model.max_model_len:
-        raise RequestError(f"{max_field} must be <= the model's context "
-                           f"({model.max_model_len}), got {max_tokens}", max_field)
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
     try:
         params = SamplingParams(
@@ -332,17 +334,19 @@ def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_to
         first = str(exc).split(" ", 1)[0]
         param = max_field if first == "max_tokens" else first if first in fields else None
         raise RequestError(str(exc), param) from None
-    _check_wire_ranges(params)
+    check_params(params, model.limits, max_field)  # the limits gRPC requests meet too
     return params
 
 
-def _check_wire_ranges(p: SamplingParams) -> None:
-    """Values SamplingParams accepts but the float32/int32 fields of the worker RPCs cannot."""
-    if p.top_k > INT32_MAX:
-        raise RequestError(f"top_k must be <= {INT32_MAX}, got {p.top_k}", "top_k")
-    for name in ("temperature", "repetition_penalty"):
-        if getattr(p, name) > FLOAT32_MAX:
-            raise RequestError(f"{name} must be <= {FLOAT32_MAX:g}", name)
+def _texts(messages: list[dict]) -> list[str]:
+    """The free text of template-ready messages: contents and tool-call arguments."""
+    out = [m["content"] for m in messages if isinstance(m.get("content"), str)]
+    for m in messages:
+        for call in m.get("tool_calls") or ():
+            args = (call.get("function") or {}).get("arguments")
+            if isinstance(args, str):
+                out.append(args)
+    return out
 
 
 def _chat_logprobs(fields: dict[str, Any]) -> tuple[bool, int]:

@@ -1,9 +1,16 @@
 """The OpenAI-compatible HTTP server (aiohttp), on the router's asyncio loop.
 
 Owns the routes, bearer-token auth (the same tokens as the gRPC API; `/health` stays open), the
-body size limit, and turning every failure into an OpenAI error body: `ApiError`s, validation
-`RequestError`s, aiohttp's own HTTP errors (unknown route, wrong method, body too large) and,
-as a 500, anything unexpected.
+body size limit and read timeouts, and turning every failure into an OpenAI error body:
+`ApiError`s, validation `RequestError`s, aiohttp's own HTTP errors (unknown route, wrong
+method, body too large; malformed HTTP in `connection.py`) and, as a 500, anything
+unexpected.
+
+Slow clients: a connection whose first request line and headers are not all there within
+`header_timeout_s` of it opening is answered 408 and closed (`connection.HeadTimeout`; a
+kept-alive connection short of its next head is closed `2 × header_timeout_s` after its last
+response); a body not all there within `body_timeout_s` of the headers is a 408
+(`body.read_json`).
 
     GET  /health                 200 while a decode worker is healthy, else 503
     GET  /metrics                Prometheus text format (when the router passes a registry)
@@ -16,6 +23,7 @@ as a 500, anything unexpected.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hmac
 import logging
@@ -29,6 +37,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
 from router.openai import chat, completions, info, sse
+from router.openai.body import BodyLimits
+from router.openai.connection import connection_protocol
 from router.openai.errors import (
     ApiError,
     RequestError,
@@ -64,7 +74,11 @@ class HttpConfig:
     port: int = 8000
     """0 binds any free port (read the real one from `OpenAIServer.address`)."""
     max_body_bytes: int = 4 * 1024 * 1024
-    """Larger request bodies are refused with 413."""
+    """Larger request bodies are refused with 413 (the router sets it from `RequestLimits`)."""
+    header_timeout_s: float = 10.0
+    """Longest wait for a request's line and headers (408)."""
+    body_timeout_s: float = 30.0
+    """Longest wait for a request's body once its headers are in (408)."""
     auth_tokens: tuple[str, ...] = field(default=(), repr=False)
     """Bearer tokens accepted (empty = no auth); the router passes the gRPC API's tokens."""
     metrics_tokens: tuple[str, ...] = field(default=(), repr=False)
@@ -80,12 +94,14 @@ class OpenAIServer:
                  healthy: Callable[[], bool], metrics: CollectorRegistry | None = None,
                  before_scrape: Callable[[], Awaitable[None]] | None = None) -> None:
         self.ctx = ApiContext(frontend, model, config.api.tools, IgnoredFields(log),
-                              config.api.prompt_tokens_details)
+                              config.api.prompt_tokens_details,
+                              BodyLimits(config.max_body_bytes, config.body_timeout_s))
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
         self.before_scrape = before_scrape  # refreshes what the collectors read
         self._runner: web.AppRunner | None = None
+        self._site: asyncio.Server | None = None
         self.address = ""
         """host:port once started."""
 
@@ -116,16 +132,28 @@ class OpenAIServer:
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
         # the request on the workers even while no token is being written.
+        # keepalive_timeout: aiohttp closes a connection idle (or stuck in a request's head)
+        # that long after its last response; HeadTimeout answers the head's 408 before that.
         self._runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
-                                    shutdown_timeout=2.0)
+                                    shutdown_timeout=2.0,
+                                    keepalive_timeout=2 * self.config.header_timeout_s)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port,
-                          ssl_context=self.config.ssl_context).start()
-        port = self._runner.addresses[0][1]
+        server = self._runner.server
+        assert server is not None
+        timeout = self.config.header_timeout_s
+        # Our own listener instead of web.TCPSite: every connection's protocol is wrapped in
+        # HeadTimeout. TLS wraps the transport below it, so the timer sees plaintext.
+        self._site = await asyncio.get_running_loop().create_server(
+            lambda: connection_protocol(server, timeout), self.config.host, self.config.port,
+            ssl=self.config.ssl_context, reuse_address=True)
+        port = self._site.sockets[0].getsockname()[1]
         self.address = f"{self.config.host}:{port}"
         return self.address
 
     async def stop(self) -> None:
+        if self._site is not None:
+            self._site.close()  # no new connections; open ones end in the runner's cleanup
+            self._site = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -201,7 +229,8 @@ def _auth(tokens: Sequence[str]):
 
 
 def _error_response(exc: ApiError) -> web.Response:
-    return web.json_response(exc.body(), status=exc.status, dumps=sse.dumps)
+    return web.json_response(exc.body(), status=exc.status, dumps=sse.dumps,
+                             headers=exc.headers)
 
 
 def _http_message(request: web.Request, exc: web.HTTPException) -> str:

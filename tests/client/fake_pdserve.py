@@ -8,6 +8,7 @@ script failures and checks through the servicer's public attributes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -54,6 +55,9 @@ class FakePDServe(pb_grpc.PDServeServicer):
         self.stall_before_output = False
         self.omit_finish = False
         """Protocol violation: end the stream without finish_reason and usage."""
+        self.retry_after_ms: str | None = None
+        """Sent as `retry-after-ms` trailing metadata with every scripted failure."""
+        self.call_times: list[float] = []
         self.ended_early = threading.Event()
         """Set when a Generate RPC ended before the handler had sent all it meant to (the client
         cancelled or its deadline passed, or a scripted abort)."""
@@ -68,6 +72,7 @@ class FakePDServe(pb_grpc.PDServeServicer):
         with self.lock:
             self.requests.append(request)
             self.metadata.append(metadata)
+            self.call_times.append(time.monotonic())
             before = self.fail_before_output.pop(0) if self.fail_before_output else None
             after = self.fail_after_first_chunk.pop(0) if self.fail_after_first_chunk else None
         if self.required_token is not None:
@@ -93,6 +98,8 @@ class FakePDServe(pb_grpc.PDServeServicer):
         ended, done = self._watch(context)
         fail_before, fail_after = self._admit(request, context)
         if fail_before is not None:
+            if self.retry_after_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", self.retry_after_ms),))
             context.abort(fail_before, f"scripted {fail_before.name}")
         if self.stall_before_output:
             ended.wait(timeout=20)  # until the client leaves

@@ -142,3 +142,16 @@ def test_invalid_arguments_fail_before_any_call(fake: FakeServer):
 
     asyncio.run(main())
     assert fake.servicer.calls == 0
+
+
+def test_resource_exhausted_with_a_retry_hint_is_retried_after_the_hint(fake: FakeServer):
+    fake.servicer.fail_before_output = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    fake.servicer.retry_after_ms = "200"
+
+    async def main():
+        async with AsyncClient(fake.target, **FAST_RETRY) as client:
+            return await _collect(client, "ab")
+
+    assert "".join(c.text for c in asyncio.run(main())) == "ab"
+    first, second = fake.servicer.call_times
+    assert second - first >= 0.2  # never sooner than the server asked

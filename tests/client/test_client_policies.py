@@ -27,7 +27,7 @@ from pdserve.client.retry import Deadline, RetryPolicy, next_wait
 from pdserve.proto import pb
 
 
-def test_only_unavailable_is_retryable_and_only_max_retries_times():
+def test_without_a_hint_only_unavailable_is_retryable_and_only_max_retries_times():
     policy = RetryPolicy(max_retries=2)
     assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 0)
     assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 1)
@@ -53,6 +53,20 @@ def test_next_wait_gives_up_when_the_deadline_leaves_no_room():
     assert next_wait(policy, code, 0, Deadline.after(None), rng) is not None
     assert next_wait(policy, code, 0, Deadline.after(1.0), rng) is None
     assert next_wait(policy, grpc.StatusCode.INTERNAL, 0, Deadline.after(None), rng) is None
+
+
+def test_resource_exhausted_is_retried_only_with_a_hint_and_never_sooner():
+    policy = RetryPolicy(max_retries=2)
+    rng = random.Random(0)
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    forever = Deadline.after(None)
+    assert next_wait(policy, code, 0, forever, rng) is None  # no hint: final
+    waits = [next_wait(policy, code, 0, forever, rng, retry_after_s=1.5) for _ in range(20)]
+    assert all(1.5 <= w <= 1.65 for w in waits)
+    assert next_wait(policy, code, 2, forever, rng, retry_after_s=1.5) is None  # retries spent
+    assert next_wait(policy, code, 0, Deadline.after(1.0), rng, retry_after_s=1.5) is None
+    # A hint on UNAVAILABLE stretches the backoff, never shortens it.
+    assert next_wait(policy, grpc.StatusCode.UNAVAILABLE, 0, forever, rng, 0.9) >= 0.9
 
 
 @pytest.mark.parametrize("kwargs", [{"max_retries": -1}, {"initial_backoff_s": 3.0}])

@@ -232,3 +232,21 @@ def test_invalid_arguments_fail_before_any_call(client, fake, prompt, kwargs, fi
 def test_unknown_keyword_is_a_type_error(client: Client):
     with pytest.raises(TypeError, match="max_token"):
         client.generate("x", max_token=3)
+
+
+def test_resource_exhausted_with_a_retry_hint_is_retried_after_the_hint(fake: FakeServer):
+    fake.servicer.fail_before_output = [grpc.StatusCode.RESOURCE_EXHAUSTED]
+    fake.servicer.retry_after_ms = "200"
+    with Client(fake.target, **FAST_RETRY) as client:
+        assert client.generate("ab").text == "ab"
+    first, second = fake.servicer.call_times
+    assert second - first >= 0.2  # never sooner than the server asked
+
+
+def test_resource_exhausted_hint_is_reported_when_retries_run_out(fake: FakeServer):
+    fake.servicer.fail_before_output = [grpc.StatusCode.RESOURCE_EXHAUSTED] * 2
+    fake.servicer.retry_after_ms = "10"
+    with Client(fake.target, max_retries=1, **FAST_RETRY) as client:
+        with pytest.raises(ResourceExhausted) as err:
+            client.generate("ab")
+    assert err.value.retry_after_s == 0.01 and fake.servicer.calls == 2

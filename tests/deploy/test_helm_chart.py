@@ -29,7 +29,8 @@ EVERYTHING = ("monitoring.serviceMonitor.enabled=true", "monitoring.podMonitor.e
               "decode.autoscaling.kind=keda", "prefill.autoscaling.kind=keda",
               "auth.existingSecret=pdserve-auth", "tls.enabled=true", "tls.secretName=pd-tls",
               "tls.serverName=pdserve-internal", "monitoring.auth.existingSecret=pd-metrics",
-              "clusterSecret.existingSecret=pd-cluster")
+              "clusterSecret.existingSecret=pd-cluster", "router.passShutdownGrace=true",
+              "prefill.passDrainTimeout=true", "decode.passDrainTimeout=true")
 FULL = f"{RELEASE}-pdserve"
 
 
@@ -191,16 +192,39 @@ def test_graces_outlast_the_drains_and_the_router_leaves_the_service_first(objec
         "shutdownGraceSeconds"]
 
 
-def test_the_drain_and_shutdown_flags_are_one_switch_away_and_set_the_graces():
-    objs = render(sets=("decode.passDrainTimeout=true", "decode.drainTimeoutSeconds=120",
-                        "router.passShutdownGrace=true", "router.shutdownGraceSeconds=60"))
+@pytest.mark.parametrize("sets", [(), EVERYTHING], ids=["default", "every-option"])
+def test_the_drain_and_shutdown_flags_reach_the_processes_and_set_the_graces(sets):
+    objs = render(sets=(*sets, "decode.drainTimeoutSeconds=120",
+                        "router.shutdownGraceSeconds=60", "router.preStopSleepSeconds=7"))
     c = container(objs, f"{FULL}-decode")
     assert c["args"][c["args"].index("--drain-timeout") + 1] == "120"
     assert pods(objs)[f"{FULL}-decode"]["terminationGracePeriodSeconds"] > 122
+    p = container(objs, f"{FULL}-prefill")
+    assert p["args"][p["args"].index("--drain-timeout") + 1] == "30"
     r = container(objs, f"{FULL}-router")
     assert r["args"][r["args"].index("--shutdown-grace") + 1] == "60"
-    assert pods(objs)[f"{FULL}-router"]["terminationGracePeriodSeconds"] > 60
-    assert "--drain-timeout" not in container(objs, f"{FULL}-prefill")["args"]
+    assert r["lifecycle"]["preStop"]["sleep"]["seconds"] == 7
+    assert pods(objs)[f"{FULL}-router"]["terminationGracePeriodSeconds"] > 7 + 60
+
+
+def test_the_workers_take_every_flag_the_chart_gives_them():
+    import argparse
+
+    from pdserve.serving.worker_options import add_worker_args
+
+    p = argparse.ArgumentParser()
+    add_worker_args(p)
+    known = {s for a in p._actions for s in a.option_strings}
+    for objs in (render(), render(sets=EVERYTHING)):
+        for role in ("prefill", "decode"):
+            flags = {a for a in container(objs, f"{FULL}-{role}")["args"] if a.startswith("--")}
+            assert flags <= known, (role, flags - known)
+
+
+def test_an_image_without_the_flags_can_switch_them_off():
+    objs = render(sets=("decode.passDrainTimeout=false", "router.passShutdownGrace=false"))
+    assert "--drain-timeout" not in container(objs, f"{FULL}-decode")["args"]
+    assert "--shutdown-grace" not in container(objs, f"{FULL}-router")["args"]
 
 
 def test_each_component_has_a_pdb_and_spreads_over_nodes(objects):

@@ -206,16 +206,20 @@ def test_request_waits_only_for_its_own_ssd_reads(setup, tmp_path):
     engine, tiers = llm.engine, llm.engine.tiers
     tiers.flush()
     gate = threading.Event()
-    real_read = tiers.ssd.read
+    real_read = tiers.ssd.read_many
 
-    def gated_read(h, tokens):  # SSD reads complete only when the test opens the gate
-        out: Future = Future()
-        inner = real_read(h, tokens)
-        threading.Thread(target=lambda: (gate.wait(10), out.set_result(inner.result())),
-                         daemon=True).start()
-        return out
+    def gated_read(blocks):  # SSD reads complete only when the test opens the gate
+        outs = [Future() for _ in blocks]
+        inner = real_read(blocks)
 
-    tiers.ssd.read = gated_read
+        def release():
+            gate.wait(10)
+            for o, i in zip(outs, inner, strict=True):
+                o.set_result(i.result())
+        threading.Thread(target=release, daemon=True).start()
+        return outs
+
+    tiers.ssd.read_many = gated_read
     fresh = random_prompts([9], engine.vocab_size, seed=99)[0]
     engine.add_request("ssd", prompts[1], GREEDY)
     engine.add_request("fresh", fresh, GREEDY)

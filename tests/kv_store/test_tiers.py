@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import struct
 import threading
+import zlib
 
+import numpy as np
 import pytest
 import torch
 
 from kv_store.block_pool import CachedBlock
 from kv_store.index.events import Tier
-from kv_store.tiers import HostStore, SSDStore, TierManager, plan_load, should_load
+from kv_store.tiers import HostStore, SSDStore, TierManager, plan_load, record, should_load
 from kv_store.tiers.policy import EMA, demote_ahead_window
 
 BB = 64  # block bytes
@@ -82,7 +86,7 @@ def test_host_concurrent_puts_and_reads_stay_consistent():
 # -- SSD -------------------------------------------------------------------------------------
 def _ssd(tmp_path, records: int, per_segment: int = 2, notify=None,
          persist: bool = False) -> SSDStore:
-    rec = 32 + 4 * BS + BB
+    rec = record.record_bytes(BS, BB)
     return SSDStore(tmp_path, records * rec, BB, BS, segment_bytes=per_segment * rec,
                     notify=notify, persist=persist)
 
@@ -162,6 +166,57 @@ def test_ssd_concurrent_writes_and_reads(tmp_path):
         assert bytes(f.result()) == _data(i).numpy().tobytes()
     ssd.close()
     assert not list(tmp_path.glob("seg-*.pdkv"))
+
+
+def test_ssd_read_many_returns_each_block_in_order_with_misses(tmp_path, monkeypatch):
+    ssd = _ssd(tmp_path, 16, per_segment=4)
+    for i in range(10):
+        assert ssd.write(_h(i), _toks(i), _data(i).numpy().tobytes()).result()
+    calls = []
+    real = os.preadv
+    monkeypatch.setattr(os, "preadv",
+                        lambda fd, bufs, off: calls.append(off) or real(fd, bufs, off))
+    want = [7, 2, 3, 99, 4, 5, 1]  # 2..5 span two segments; 99 was never stored
+    futs = ssd.read_many([(_h(i), _toks(i)) for i in want])
+    got = [f.result() for f in futs]
+    for i, data in zip(want, got, strict=True):
+        assert (data is None) if i == 99 else bytes(data) == _data(i).numpy().tobytes()
+    # Adjacent records are read together: [1, 2, 3] and [4, 5] (segments of 4), [7].
+    assert len(calls) == 3
+    ssd.close()
+
+
+def test_ssd_records_name_their_checksum_and_each_kind_verifies(tmp_path, monkeypatch):
+    """Records written with either checksum (xxh3-64 only where `xxhash` is installed) sit
+    side by side in one tier and each is checked with the kind it names."""
+    kinds = [record.Checksum.CRC32] + ([record.Checksum.XXH3_64] if record.xxhash else [])
+    ssd = _ssd(tmp_path, 8)
+    for i, kind in enumerate(kinds):
+        monkeypatch.setattr(record, "WRITE_CHECKSUM", kind)
+        assert ssd.write(_h(i), _toks(i), _data(i).numpy().tobytes()).result()
+    for i, kind in enumerate(kinds):
+        path, offset = ssd.location(_h(i))
+        assert path.read_bytes()[offset + 5] == kind
+        assert bytes(ssd.read(_h(i), _toks(i)).result()) == _data(i).numpy().tobytes()
+    ssd.close()
+
+
+def test_ssd_refuses_persisted_records_of_the_old_version(tmp_path):
+    """A version-1 segment left by an older build is skipped at start-up (and deleted), its
+    blocks are misses, and the tier goes on writing the current version."""
+    old = struct.Struct("<4sBxH16sII")  # version 1: crc32 in a 32-bit field
+    tok = np.asarray(_toks(1), dtype="<i4").tobytes()
+    data = _data(1).numpy().tobytes()
+    body = tok + data
+    v1 = old.pack(b"PDKV", 1, BS, _h(1), zlib.crc32(body), BB) + body
+    seg = tmp_path / "seg-00000000.pdkv"
+    seg.write_bytes(v1 + b"\0" * (record.record_bytes(BS, BB) - len(v1)))
+    ssd = _ssd(tmp_path, 8, persist=True)
+    assert ssd.num_refused == 1 and ssd.num_recovered == 0 and _h(1) not in ssd
+    assert ssd.read(_h(1), _toks(1)).result() is None and not seg.exists()
+    assert ssd.write(_h(1), _toks(1), data).result()
+    assert bytes(ssd.read(_h(1), _toks(1)).result()) == data
+    ssd.close()
 
 
 # -- load or recompute -----------------------------------------------------------------------

@@ -20,6 +20,7 @@ from router.config import RouterConfig
 from router.flow import FinishEvent, FlowError, TokenEvent
 from router.frontend import Frontend
 from router.openai import HttpConfig, OpenAIServer, ServedModel
+from router.pool import WorkerPool
 from router.validation import ValidRequest
 
 
@@ -28,7 +29,7 @@ class ScriptedFlow:
         self.script = script
         self.rids: list[str] = []
 
-    async def run(self, rid, req, timeout_s, timings, n=1):
+    async def run(self, rid, req, timeout_s, timings, n=1, decode_allowed=None):
         self.rids.append(rid)
         for item in self.script:
             if isinstance(item, Exception):
@@ -42,7 +43,8 @@ def tokenizer(tmp_path_factory):
 
 
 def frontend(tokenizer, script) -> Frontend:
-    f = Frontend(RouterConfig(model="unused"), tokenizer, None, None, RouterMetrics())
+    pools = [WorkerPool(role, (), 1.0, 3) for role in ("prefill", "decode")]
+    f = Frontend(RouterConfig(model="unused"), tokenizer, *pools, RouterMetrics())
     f.flow = ScriptedFlow(script)
     return f
 

@@ -4,7 +4,6 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
-from grpc_tools import protoc
 
 from pdserve.proto import pb, pb_grpc, regen, worker_pb, worker_pb_grpc
 
@@ -17,9 +16,9 @@ FIELD, NESTED, ENUM_VALUE, METHOD = 2, 3, 2, 2
 def descriptor_set(tmp_path_factory) -> descriptor_pb2.FileDescriptorSet:
     out = tmp_path_factory.mktemp("descriptors") / "set.pb"
     protos = regen.find_protos(regen.DEFAULT_PROTO_DIR)
-    args = ["protoc", f"--proto_path={regen.DEFAULT_PROTO_DIR}", "--include_source_info"]
+    args = [f"--proto_path={regen.DEFAULT_PROTO_DIR}", "--include_source_info"]
     args += [f"--descriptor_set_out={out}", *(str(regen.DEFAULT_PROTO_DIR / p) for p in protos)]
-    assert protoc.main(args) == 0
+    regen.protoc(args)
     return descriptor_pb2.FileDescriptorSet.FromString(Path(out).read_bytes())
 
 

@@ -34,7 +34,7 @@ class ScriptedFlow:
     def stop_choice(self, rid, index):
         self.stopped.append(index)
 
-    async def run(self, rid, req, timeout_s, timings, n=1):
+    async def run(self, rid, req, timeout_s, timings, n=1, decode_allowed=None):
         self.seeds.append(req.params.seed)
         try:
             for item in self.script(req, n):

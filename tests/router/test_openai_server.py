@@ -14,8 +14,9 @@ import pytest
 from pdserve.demo_model import write_tokenizer_files
 from pdserve.tokenizer import Tokenizer
 from router.flow import FlowError
-from router.frontend import OutputChunk, Usage
+from router.frontend import OutputChunk, Overloaded, Usage
 from router.openai import HttpConfig, OpenAIServer, ServedModel
+from router.tokenize import TokenizerPool
 
 MODEL = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1)
 HANG = object()  # script item: wait until cancelled
@@ -30,10 +31,10 @@ def tokenizer(tmp_path_factory):
 class ScriptedFrontend:
     """Plays a list of chunks (or raises an exception / hangs) for every request."""
 
-    def __init__(self, tokenizer, script, saturated=False):
+    def __init__(self, tokenizer, script):
         self.tokenizer = tokenizer
+        self.tokens = TokenizerPool(tokenizer)
         self.script = script
-        self.saturated = saturated
         self.inflight = 0
         self.requests = []
         self.closed = 0  # generators that ran their cleanup
@@ -54,13 +55,13 @@ class ScriptedFrontend:
             self.closed += 1
 
 
-def serve(tokenizer, script=SCRIPT, scenario=None, tokens=(), **frontend_kw):
+def serve(tokenizer, script=SCRIPT, scenario=None, tokens=(), **http_kw):
     """Start the server on a free port, run `scenario(session, base_url, frontend)`, stop."""
-    frontend = ScriptedFrontend(tokenizer, script, **frontend_kw)
+    frontend = ScriptedFrontend(tokenizer, script)
 
     async def main():
-        server = OpenAIServer(frontend, MODEL, HttpConfig(port=0, max_body_bytes=4096,
-                                                          auth_tokens=tokens), lambda: True)
+        config = HttpConfig(port=0, auth_tokens=tokens, **{"max_body_bytes": 4096, **http_kw})
+        server = OpenAIServer(frontend, MODEL, config, lambda: True)
         address = await server.start()
         try:
             async with aiohttp.ClientSession() as session:
@@ -215,11 +216,59 @@ def test_flow_errors_before_output_map_to_http_statuses(tokenizer, code, status)
     assert got == status and out["error"]["message"] == "boom"
 
 
-def test_saturated_router_answers_429(tokenizer):
+def test_admission_refusal_answers_429_with_retry_after(tokenizer):
     body = {"model": "tiny", "prompt": "x"}
-    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
-        s, f"{u}/v1/completions", body), saturated=True)
+
+    async def scenario(s, u, f):
+        async with s.post(f"{u}/v1/completions", json=body) as r:
+            return r.status, await r.json(), r.headers.get("Retry-After")
+
+    (status, out, retry), _ = serve(tokenizer, [Overloaded("over capacity", 2.2)],
+                                    scenario=scenario)
     assert status == 429 and out["error"]["type"] == "rate_limit_error"
+    assert retry == "3"  # whole seconds, rounded up
+
+
+def test_oversized_prompt_text_is_refused_before_tokenising(tokenizer):
+    big = "word " * 1000  # over max_model_len (128) x 4 bytes: cannot fit, whatever its tokens
+    body = {"model": "tiny", "prompt": big}
+    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/completions", body), max_body_bytes=1 << 20)
+    assert status == 400 and out["error"]["param"] == "prompt"
+    assert "longer than" in out["error"]["message"] and fe.requests == []
+
+
+def test_a_body_announced_too_large_is_refused_before_it_is_read(tokenizer):
+    async def scenario(s, u, f):
+        reader, writer = await asyncio.open_connection(*u[len("http://"):].split(":"))
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 99999999\r\n\r\n{")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        writer.close()
+        return head
+
+    head, _ = serve(tokenizer, scenario=scenario)
+    assert head.startswith(b"HTTP/1.1 413")
+
+
+@pytest.mark.parametrize("what", ["head", "body"])
+def test_slow_clients_get_408(tokenizer, what):
+    async def scenario(s, u, f):
+        reader, writer = await asyncio.open_connection(*u[len("http://"):].split(":"))
+        if what == "head":
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never ends
+        else:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 50\r\n\r\n{")
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 20)  # the server answers, then closes
+        writer.close()
+        return data
+
+    data, fe = serve(tokenizer, scenario=scenario, header_timeout_s=0.3, body_timeout_s=0.3)
+    assert data.startswith(b"HTTP/1.1 408")
+    assert json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["code"] == "request_timeout"
     assert fe.requests == []
 
 
@@ -279,6 +328,25 @@ def test_router_flags_configure_the_http_api(monkeypatch):
     assert parse([*base, "--http-port", "-1"])[1] is None
 
 
+@pytest.mark.parametrize("raw", [
+    b"GARBAGE\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nX: " + b"a" * 10000 + b"\r\n\r\n",
+])
+def test_malformed_http_is_an_openai_shaped_400(tokenizer, raw):
+    async def scenario(s, u, f):
+        reader, writer = await asyncio.open_connection(*u[len("http://"):].split(":"))
+        writer.write(raw)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+        return data
+
+    data, fe = serve(tokenizer, scenario=scenario)
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.split(b" ")[1] == b"400"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error" and fe.requests == []
 def test_n_choices_and_batches_carry_their_index(tokenizer):
     body = {"model": "tiny", "prompt": ["a", "b"], "n": 2, "seed": 3}
     (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(

@@ -210,7 +210,7 @@ class StatsRequest(_message.Message):
     def __init__(self, kv_snapshot: _Optional[bool] = ..., take_kv_events: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events", "step_model")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,7 @@ class WorkerStats(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
+    STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -238,14 +239,25 @@ class WorkerStats(_message.Message):
     kv_blocks_cached: int
     counters: _containers.ScalarMap[str, float]
     kv_events: bytes
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., kv_events: _Optional[bytes] = ...) -> None: ...
+    step_model: StepModel
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., kv_events: _Optional[bytes] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ...) -> None: ...
+
+class StepModel(_message.Message):
+    __slots__ = ("step_base_s", "step_per_token_s", "samples")
+    STEP_BASE_S_FIELD_NUMBER: _ClassVar[int]
+    STEP_PER_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    step_base_s: float
+    step_per_token_s: float
+    samples: int
+    def __init__(self, step_base_s: _Optional[float] = ..., step_per_token_s: _Optional[float] = ..., samples: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra", "kv_bytes_per_block")
+    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra", "max_num_seqs", "max_num_batched_tokens", "kv_bytes_per_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -255,6 +267,8 @@ class WorkerInfo(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     API_VERSION_FIELD_NUMBER: _ClassVar[int]
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
@@ -265,5 +279,7 @@ class WorkerInfo(_message.Message):
     endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     api_version: int
     hash_extra: bytes
+    max_num_seqs: int
+    max_num_batched_tokens: int
     kv_bytes_per_block: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
