@@ -60,19 +60,21 @@ class _CountingSender:
 def kv_bytes(prefill_tp: int, decode_tp: int, prompt_tokens: int) -> dict:
     """Bytes every prefill rank's real streaming code sends for one prompt (demo model shape:
     12 layers, 4 KV heads, head_dim 64, fp32, block 16), summed over all pairs."""
+    from pdserve.engine.kv_layout import KVLayout
+    from pdserve.engine.quant.kv_format import KVCacheFormat
     from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
     layers, kv_heads, head_dim, bs = 12, 4, 64, 16
+    layout = KVLayout.gqa(layers, kv_heads, head_dim, bs, KVCacheFormat(torch.float32))
     blocks = -(-prompt_tokens // bs)
     endpoints = [(f"decode-rank-{r}", r, decode_tp) for r in range(decode_tp)]
     send = BlockSend("r", endpoints, list(range(blocks)), list(range(blocks)), True, 60.0,
                      b"t" * 16)
     total, pairs = 0, 0
     for rank in range(prefill_tp):
-        local_heads = max(1, kv_heads // prefill_tp)
-        caches = [torch.zeros(blocks, 2, local_heads, bs, head_dim) for _ in range(layers)]
+        caches = layout.new_caches(blocks, prefill_tp, torch.device("cpu"))
         sender = _CountingSender()
-        hook = KVStreamer(sender, caches, bs, kv_heads, rank, prefill_tp).layer_hook([send])
+        hook = KVStreamer(sender, caches, bs, layout, rank, prefill_tp).layer_hook([send])
         for layer in range(layers):
             hook(layer)
         total += sum(sender.bytes.values())

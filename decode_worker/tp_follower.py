@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from decode_worker.kv_sink import DecodeKVSink
-from kv_store.tp_layout import heads_of
 from kv_store.transfer import KVReceiver
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import Lease, LeaseConfig
@@ -76,7 +75,7 @@ class DecodeFollower(FollowerPlugin):
         ctx = group.context
         self.rank = ctx.rank
         store = group.store
-        heads = heads_of(engine.model_config.num_kv_heads, ctx.rank, ctx.size)
+        heads = engine.kv_layout.heads_of(ctx.rank, ctx.size)
         self.sink = DecodeKVSink(
             engine.kv_caches,
             on_ready=lambda rid, done, lease: store.set(ready_key(rid, self.rank), "ok"),

@@ -41,7 +41,7 @@ async def serve(options: WorkerOptions) -> None:
         host=options.host, auth_key=options.security.kv_key(), backend=kv.backend),
         nixl=kv.nixl)
     streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
-                          engine.model_config.num_kv_heads, 0, engine.tp.size)
+                          engine.kv_layout, 0, engine.tp.size)
     loop = EngineLoop(engine, asyncio.get_running_loop(), name="prefill-engine")
     service = PrefillService(options, loop, streamer, recorder)
     service.kv_sender = sender  # serves PushKV too: decode workers pull our prefixes

@@ -8,9 +8,11 @@ sent; blocks this worker had cached go with the first chunk, since it never comp
 
 Every rank of a tensor-parallel prefill group runs the same plan on its own KV heads and sends
 each decode rank exactly the heads that rank holds (re-sharding in transit, with `head_start`
-telling the receiver where the slice goes). When KV heads are replicated across ranks, only
-the lowest rank holding a head sends it. The `PrefillDone` with the first token goes to the
-decode group's rank 0; every other (sender, receiver) pair gets a `PartsDone`.
+telling the receiver where the slice goes), as the engine's `KVLayout` routes them. When KV
+heads are replicated across ranks, only the lowest rank holding a head sends it: an MLA
+latent (one "head" every rank holds) goes from prefill rank 0 to each decode rank, once.
+The `PrefillDone` with the first token goes to the decode group's rank 0; every other
+(sender, receiver) pair gets a `PartsDone`.
 
 Every send carries what is left of the decode worker's lease on the blocks (`KVTarget`):
 past it, the sender drops the transfer, as the decode worker does (`pdserve.serving.kv_lease`).
@@ -27,7 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kv_store.tp_layout import head_routes, heads_of, wire_request_id
+from kv_store.tp_layout import wire_request_id
+from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.scheduler import StepPlan
 from pdserve.serving import kv_messages
@@ -77,7 +80,7 @@ class KVStreamer:
     sender: object  # kv_store.transfer.KVSender
     caches: list[torch.Tensor]
     block_size: int
-    num_kv_heads: int  # of the whole model
+    layout: KVLayout  # the engine's: which heads (or MLA latent) each rank holds and sends
     tp_rank: int = 0
     tp_size: int = 1
     targets: dict[str, KVTarget] = field(default_factory=dict)  # rank 0's plans
@@ -120,7 +123,7 @@ class KVStreamer:
                 for address, descriptor in s.peers:
                     self.sender.add_peer(address, descriptor)
         routes = {id(s): self._routes(s.endpoints) for s in sends}
-        local0 = heads_of(self.num_kv_heads, self.tp_rank, self.tp_size).start
+        local0 = self.layout.heads_of(self.tp_rank, self.tp_size).start
 
         def hook(layer: int) -> None:
             cache = self.caches[layer]
@@ -144,7 +147,7 @@ class KVStreamer:
     def _routes(self, endpoints: Sequence[Endpoint]) -> list[tuple[str, int, int]]:
         """(address, first head, end head) for each decode rank sharing heads with us."""
         self._ranks.update((address, rank) for address, rank, _ in endpoints)
-        return head_routes(self.num_kv_heads, self.tp_rank, self.tp_size, endpoints)
+        return self.layout.head_routes(self.tp_rank, self.tp_size, endpoints)
 
     def finish(self, request_id: str, first: PrefillDone | None, lease_s: float | None = None,
                ticket: bytes = b""):

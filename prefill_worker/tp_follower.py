@@ -20,7 +20,7 @@ class PrefillFollower(FollowerPlugin):
             host=host, auth_key=kv_auth_key(), backend=self.kv.backend), nixl=self.kv.nixl)
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
-                                   engine.model_config.num_kv_heads, ctx.rank, ctx.size)
+                                   engine.kv_layout, ctx.rank, ctx.size)
 
     def before_step(self, extra: dict):
         self._sends = [BlockSend.from_wire(row) for row in extra.get("sends", ())]

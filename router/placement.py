@@ -159,9 +159,20 @@ def _address(w: WorkerHandle) -> str:
     return w.address
 
 
+def _speeds(w: WorkerHandle) -> policy.TierSpeeds | None:
+    """The worker's block size (its KV layout) and measured tier / prefill speeds."""
+    if w.info is None or not w.info.kv_bytes_per_block:
+        return None
+    c = w.stats.counters
+    return policy.TierSpeeds(int(w.info.kv_bytes_per_block), int(w.info.block_size or 16),
+                             c.get("kv_tier_host_read_bw", 0.0), c.get("kv_tier_ssd_read_bw", 0.0),
+                             c.get("kv_tier_prefill_tps", 0.0))
+
+
 def _load(i: int, w: WorkerHandle, matches: dict[str, PrefixMatch]) -> policy.Load:
     s = w.stats
     m = matches.get(w.address)
-    cached = policy.weighted_blocks(m.leading) if m is not None else 0.0
+    cached = (policy.weighted_blocks(m.leading, policy.tier_weights(_speeds(w)))
+              if m is not None else 0.0)
     return policy.Load(i, int(s.queued_prefill_tokens), int(s.kv_blocks_used),
                        int(s.kv_blocks_total), w.inflight, cached)

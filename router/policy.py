@@ -10,8 +10,12 @@ cached prefix, plus the tokens queued there. Workers whose queue is more than
 `max_imbalance_tokens` above the shortest queue are not considered, so a popular prefix never
 piles every request onto one worker.
 
-`cached_blocks` are tier-weighted: a block in a slower tier counts for less than one computed
-in place (`TIER_WEIGHTS`).
+`cached_blocks` are tier-weighted: a block in a slower tier counts for less than one in device
+memory, by what loading it saves over recomputing it — `1 - (block bytes / tier bandwidth) /
+(block tokens / prefill speed)` from the worker's KV layout (`WorkerInfo.kv_bytes_per_block`)
+and its measured speeds (`tier_weights`); `TIER_WEIGHTS` until a speed is measured. So a
+latent (MLA) block, a fraction of a GQA block's bytes, is worth nearly as much on SSD as on
+the device.
 
 Pull: when another worker holds a longer leading prefix than the chosen decode worker and the
 rest of the prompt is short enough for the decode worker to compute, it pulls that prefix
@@ -24,8 +28,34 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# Worth of a cached block by tier (device, host, SSD), relative to not recomputing it at all.
+# Worth of a cached block by tier (device, host, SSD), relative to not recomputing it at all,
+# while the worker's speeds are not measured yet.
 TIER_WEIGHTS = (1.0, 0.7, 0.4)
+
+
+@dataclass(frozen=True)
+class TierSpeeds:
+    """What a worker's cached block below device memory is worth: its block's real size and
+    the speeds it measured (0 = not measured yet)."""
+
+    block_bytes: int  # one KV block, every layer, as one rank's tiers hold it
+    block_tokens: int
+    host_bw: float = 0.0  # bytes/s
+    ssd_bw: float = 0.0
+    prefill_tps: float = 0.0  # tokens/s
+
+
+def tier_weights(speeds: TierSpeeds | None) -> tuple[float, float, float]:
+    """(device, host, SSD) worth of a cached block: the share of its recompute time that
+    loading it saves, `TIER_WEIGHTS` for a tier whose speed is unknown."""
+    weights = list(TIER_WEIGHTS)
+    if speeds is None or speeds.block_bytes <= 0 or speeds.prefill_tps <= 0:
+        return TIER_WEIGHTS
+    recompute_s = speeds.block_tokens / speeds.prefill_tps
+    for i, bw in ((1, speeds.host_bw), (2, speeds.ssd_bw)):
+        if bw > 0:
+            weights[i] = max(0.0, 1.0 - speeds.block_bytes / bw / recompute_s)
+    return weights[0], weights[1], weights[2]
 
 
 @dataclass(frozen=True)
@@ -73,11 +103,12 @@ def pick_prefill(loads: Sequence[Load], prompt_tokens: int, block_size: int = 16
     return min(eligible, key=lambda ld: (work(ld), ld.index)).index
 
 
-def weighted_blocks(leading_by_tier: Sequence[int]) -> float:
+def weighted_blocks(leading_by_tier: Sequence[int],
+                    weights: Sequence[float] = TIER_WEIGHTS) -> float:
     """Tier-weighted count of leading blocks from `PrefixMatch.leading`-style cumulative
     counts (blocks in tier t or faster)."""
     total, prev = 0.0, 0
-    for weight, upto in zip(TIER_WEIGHTS, leading_by_tier, strict=False):
+    for weight, upto in zip(weights, leading_by_tier, strict=False):
         total += weight * (upto - prev)
         prev = upto
     return total

@@ -77,6 +77,51 @@ def tiny_qwen3_moe(tmp_path_factory):
 
     return save_tiny(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe", seed=7,
                      initializer_range=0.2)
+# DeepSeek (MLA + MoE): V2 (V2-Lite shape, group-limited routing) and V3 (q bottleneck,
+# noaux_tc routing with a random correction bias, yarn rope).
+@pytest.fixture(scope="session")
+def tiny_deepseek_v2(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("deepseek_v2"), "deepseek_v2", seed=8,
+                     initializer_range=0.2)
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3(tmp_path_factory):
+    from tests.helpers.checkpoints import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("deepseek_v3"), "deepseek_v3", seed=9,
+                     initializer_range=0.2)
+
+
+# Learned drafters for tiny_llama: random heads in each layout vLLM loads (their drafts are
+# almost never accepted), and an EAGLE head fitted to the target's own greedy output on
+# `FIT_PROMPTS` (most of its drafts on those prompts are accepted).
+@pytest.fixture(scope="session")
+def random_heads(tiny_llama, tmp_path_factory):
+    from tests.helpers.draft_heads import save_eagle, save_eagle3, save_medusa
+
+    tmp = tmp_path_factory.mktemp("heads")
+    return {"eagle": save_eagle(tmp / "eagle", tiny_llama),
+            "eagle3": save_eagle3(tmp / "eagle3", tiny_llama),
+            "medusa": save_medusa(tmp / "medusa", tiny_llama)}
+
+
+@pytest.fixture(scope="session")
+def fitted_eagle(tiny_llama, tmp_path_factory):
+    from tests.helpers.draft_heads import fit_eagle
+
+    return fit_eagle(tiny_llama, tmp_path_factory.mktemp("fitted-eagle"))
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek_v3_mtp(tmp_path_factory):
+    from tests.helpers.draft_heads import save_deepseek_v3_with_mtp
+
+    return save_deepseek_v3_with_mtp(tmp_path_factory.mktemp("deepseek_v3_mtp"), seed=11)
+
+
 # The real default model (SmolLM2-135M-Instruct): prepared once per session into a private
 # cache, with one engine and one HF transformers reference shared by every test that needs it.
 @pytest.fixture(scope="session")

@@ -28,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from kv_store.index.events import Tier
 from kv_store.tiers.host import HostStore
 from kv_store.tiers.policy import BandwidthModel, demote_ahead_window, plan_load
 from kv_store.tiers.ssd import SSDStore
+
+if TYPE_CHECKING:
+    from pdserve.engine.kv_layout import KVLayout
 
 TierEventFn = Callable[[BlockEvent, Tier], None]
 GB = 2**30
@@ -71,15 +75,20 @@ class TierManager:
                                   on_evict=self._host_evicted)
 
     @classmethod
-    def create(cls, caches: Sequence[torch.Tensor], block_size: int, host_gb: float,
-               ssd_dir: str | None, ssd_gb: float,
+    def create(cls, caches: Sequence[torch.Tensor], layout: KVLayout, tp_size: int,
+               host_gb: float, ssd_dir: str | None, ssd_gb: float,
                on_event: TierEventFn | None = None,
                ssd_persist: bool = False) -> TierManager | None:
-        """A manager for the configured tiers, or None when neither is configured."""
+        """A manager for the configured tiers over an engine's caches (of `layout` on a rank
+        of a group of `tp_size`: a slot holds `layout.block_bytes(tp_size)`), or None when
+        neither tier is configured."""
         if host_gb <= 0 and (ssd_dir is None or ssd_gb <= 0):
             return None
-        return cls(caches, block_size, int(host_gb * GB), ssd_dir, int(ssd_gb * GB), on_event,
-                   ssd_persist)
+        layout.check_caches(caches, tp_size)
+        tiers = cls(caches, layout.block_size, int(host_gb * GB), ssd_dir, int(ssd_gb * GB),
+                    on_event, ssd_persist)
+        assert tiers.block_bytes == layout.block_bytes(tp_size)
+        return tiers
 
     # -- demotion (device → host → SSD) --------------------------------------------------
     def demote(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:

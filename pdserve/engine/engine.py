@@ -29,6 +29,7 @@ from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.finish import FinishReason
+from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.kv_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import load_model
 from pdserve.engine.model_config import ModelConfig, parse_dtype
@@ -44,6 +45,7 @@ from pdserve.engine.sampler import SamplingRow, TokenLogprobs, apply_token_bitma
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, StepPlan
 from pdserve.engine.spec import build_speculator, spec_stats_off
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 from pdserve.engine.stop import apply_stop_rules, stop_reason
 from pdserve.engine.structured.compiler import GrammarCompiler
 from pdserve.engine.structured.manager import StructuredOutputs
@@ -88,17 +90,18 @@ class LLMEngine:
         except BaseException:
             self.close()
             raise
-        # A layout description; str() of it is the block hash's kv-dtype key.
         self.kv_dtype = KVCacheFormat.from_config(config.kv_cache_dtype, self.dtype)
-        num_blocks = config.num_gpu_blocks or self._auto_num_blocks(model)
-        caches = self._allocate_caches(model, num_blocks)
+        # Everything that sizes, moves or hashes a KV block reads this one value.
+        self.kv_layout = KVLayout.of_model(self.model_config, config.block_size, self.kv_dtype)
+        num_blocks = config.num_gpu_blocks or self._auto_num_blocks()
+        caches = self.kv_layout.new_caches(num_blocks, tp.size, self.device)
         if self.tp_driver is not None:
             self.tp_driver.setup(num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         scheme = resolve_quantization(config.quantization, checkpoint.path)
-        kv_key = f"{self.kv_dtype}|w={scheme.key if scheme is not None else 'none'}"
+        kv_key = f"{self.kv_layout.hash_key()}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:
             self.pool.set_evict_listener(self.tiers.demote)
@@ -191,8 +194,8 @@ class LLMEngine:
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
-        """The paged KV cache, one tensor per layer (`[blocks, 2, kv heads, block size, d]`):
-        what a transfer writes into reserved blocks and reads out of pinned ones."""
+        """The paged KV cache, one tensor per layer (shape: `kv_layout.cache_shape`): what a
+        transfer writes into reserved blocks and reads out of pinned ones."""
         return self.runner.caches
 
     @property
@@ -307,8 +310,11 @@ class LLMEngine:
                 ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprobs | None]]]:
         """Forward + sampling for a plan: the accepted tokens of each sampling request."""
         t0 = time.perf_counter()
-        forward = self.runner.forward(plan.chunks, layer_hook, tp_extra)
+        wants = self.spec.feature_spec if self.spec is not None else None
+        forward = self.runner.forward(plan.chunks, layer_hook, tp_extra, wants)
         logits = forward.logits
+        if forward.features is not None:  # a learned drafter reads them once it is applied
+            self.spec.observe(plan.chunks, forward.features)
         if self.tiers is not None:  # prefill speed: the "recompute" side of load-or-recompute
             self.tiers.observe_forward(plan.chunks, logits, t0)
         if forward.prompt_logits is not None:
@@ -460,6 +466,20 @@ class LLMEngine:
         finally:
             self.pool.free(blocks)
 
+    @torch.inference_mode()
+    def prompt_features(self, token_ids: Sequence[int], spec: FeatureSpec | None = None
+                        ) -> StepFeatures:
+        """Target features (what a learned drafter reads) at every position of a sequence:
+        a standalone pass like `prompt_logits` (training data for draft heads)."""
+        blocks = self.pool.allocate(-(-len(token_ids) // self.config.block_size))
+        if blocks is None:
+            raise RuntimeError("not enough free KV blocks for prompt_features")
+        try:
+            chunk = ScheduledChunk("prompt_features", list(token_ids), 0, blocks, 0)
+            return self.runner.forward([chunk], features=spec or FeatureSpec()).features
+        finally:
+            self.pool.free(blocks)
+
     def stats(self) -> dict[str, float]:
         return {
             "num_running": len(self.scheduler.running),
@@ -477,16 +497,8 @@ class LLMEngine:
         }
 
     # -- setup ---------------------------------------------------------------------------
-    def _kv_shape(self, model: torch.nn.Module, num_blocks: int) -> tuple[int, ...]:
-        attn = model.layers[0].self_attn
-        return (num_blocks, 2, attn.num_kv_heads, self.config.block_size,
-                self.kv_dtype.last_dim(attn.head_dim))
-
-    def _auto_num_blocks(self, model: torch.nn.Module) -> int:
-        attn = model.layers[0].self_attn
-        per_block = self.kv_dtype.bytes_per_block(attn.num_kv_heads, self.config.block_size,
-                                                  attn.head_dim)
-        per_block *= self.model_config.num_layers
+    def _auto_num_blocks(self) -> int:
+        per_block = self.kv_layout.block_bytes(self.tp.size)
         if self.config.kv_cache_memory_gb is not None:
             budget = self.config.kv_cache_memory_gb * 2**30
         elif self.device.type == "cuda":
@@ -502,7 +514,7 @@ class LLMEngine:
         ssd_dir = cfg.kv_ssd_dir
         if ssd_dir is not None and self.tp.size > 1:
             ssd_dir = os.path.join(ssd_dir, f"rank{self.tp.rank}")
-        tiers = TierManager.create(caches, cfg.block_size, cfg.kv_host_gb, ssd_dir,
+        tiers = TierManager.create(caches, self.kv_layout, self.tp.size, cfg.kv_host_gb, ssd_dir,
                                    cfg.kv_ssd_gb, on_event=on_block_event,
                                    ssd_persist=cfg.kv_ssd_persist)
         if tiers is not None and self.tp_driver is not None:
@@ -511,10 +523,6 @@ class LLMEngine:
             return MirroredTiers(tiers, self.tp_driver)
         return tiers
 
-    def _allocate_caches(self, model: torch.nn.Module, num_blocks: int) -> list[torch.Tensor]:
-        shape = self._kv_shape(model, num_blocks)
-        return [torch.zeros(shape, dtype=self.kv_dtype.storage_dtype, device=self.device)
-                for _ in range(self.model_config.num_layers)]
 
 def _resolve_device(name: str) -> torch.device:
     if name == "auto":

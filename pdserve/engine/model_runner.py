@@ -16,6 +16,7 @@ from pdserve.engine.decode_step import build_decode_step
 from pdserve.engine.models.llama import LayerHook
 from pdserve.engine.sampler import Sampler, SamplerOutput, SamplingRow
 from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class ForwardOutput:
     prompt_logits: torch.Tensor | None = None
     """fp32 [scored rows, V]: `num_prompt_logits` leading positions per chunk, in plan order;
     None when no chunk asked."""
+    features: StepFeatures | None = None
+    """The target features of every token, when the step asked for them."""
 
 
 def build_inputs(chunks: Sequence[ScheduledChunk], block_size: int,
@@ -99,14 +102,24 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: Sequence[ScheduledChunk], layer_hook: LayerHook | None = None,
-                tp_extra: dict | None = None) -> ForwardOutput:
-        """`logits`, plus the logits of the positions chunks score for prompt logprobs.
-        Every tensor-parallel rank runs this same sequence (the LM head gathers across ranks)."""
+                tp_extra: dict | None = None, features: FeatureSpec | None = None
+                ) -> ForwardOutput:
+        """`logits`, plus the logits of the positions chunks score for prompt logprobs, and
+        with a `FeatureSpec` the target features of every token of the plan (what a learned
+        drafter reads; `pdserve.engine.spec.features`). Every tensor-parallel rank runs this
+        same sequence (the LM head gathers across ranks)."""
         if self.before_forward is not None:
             self.before_forward(chunks, tp_extra)
         batch = build_inputs(chunks, self.block_size, self.device)
         meta = self.backend.prepare(batch.meta)  # once per step, not once per layer
-        if meta.is_decode_only and layer_hook is None:
+        feats = None
+        if features is not None:  # eager: the compiled decode step returns no features
+            hidden, aux = self.model.forward_features(
+                batch.input_ids, batch.positions, self.caches, meta, self.backend,
+                layer_hook, features.aux_layers)
+            feats = StepFeatures(hidden, torch.cat(aux, dim=-1) if aux else None,
+                                 tuple(meta.query_start))
+        elif meta.is_decode_only and layer_hook is None:
             hidden = self.decode_step(batch.input_ids, batch.positions, self.caches, meta,
                                       self.backend)
         else:
@@ -119,7 +132,7 @@ class ModelRunner:
         prompt = None
         if batch.prompt_index is not None:
             prompt = self.model.compute_logits(hidden[batch.prompt_index]).float()
-        return ForwardOutput(logits, prompt)
+        return ForwardOutput(logits, prompt, feats)
 
     @torch.inference_mode()
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
 #              only (never in WorkerInfo); senders with NIXL write KV into it.
 #          7 - WorkerStats.step_model and WorkerInfo.max_num_seqs / max_num_batched_tokens
 #              (the router's admission control reads them).
-WORKER_API_VERSION = 7
+#          8 - WorkerInfo.kv_bytes_per_block: bytes of one KV block in the engine's KV layout
+#              (GQA heads or an MLA latent), for the router's load-vs-recompute cost.
+WORKER_API_VERSION = 8
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

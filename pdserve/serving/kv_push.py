@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
-from kv_store.tp_layout import head_routes, wire_request_id
+from kv_store.tp_layout import wire_request_id
 from kv_store.transfer import TransferError
 from kv_store.transfer.auth import TICKET_BYTES
 from kv_store.transfer.nixl_path import NixlDescriptor
@@ -48,7 +48,8 @@ class PushError(Exception):
 
 @dataclass(frozen=True)
 class Route:
-    """What goes to one receiving rank: KV heads [lo, hi) under its own wire id."""
+    """What goes to one receiving rank: KV heads [lo, hi) under its own wire id (an MLA
+    latent: head 0, to every rank)."""
 
     address: str
     wire_id: str
@@ -104,7 +105,7 @@ def plan_push(request, engine: LLMEngine) -> PushPlan:
                         "pushing KV from a tensor-parallel worker is not supported yet")
     rank_of = {a: r for a, r, _ in receivers}
     routes = [Route(a, wire_request_id(request.request_id, 0, rank_of[a]), lo, hi)
-              for a, lo, hi in head_routes(engine.model_config.num_kv_heads, 0, 1, receivers)]
+              for a, lo, hi in engine.kv_layout.head_routes(0, 1, receivers)]
     return PushPlan(request.request_id, ids, start, end, list(request.block_ids), routes,
                     bytes(request.kv_ticket))
 

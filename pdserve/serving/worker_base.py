@@ -103,7 +103,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             max_model_len=e.max_model_len, endpoints=public_endpoints(self.endpoints),
             api_version=WORKER_API_VERSION, hash_extra=e.hash_extra,
             max_num_seqs=e.config.max_num_seqs,
-            max_num_batched_tokens=e.config.max_num_batched_tokens)
+            max_num_batched_tokens=e.config.max_num_batched_tokens,
+            kv_bytes_per_block=e.kv_layout.block_bytes(e.tp.size))
 
     async def Prefetch(self, request, context):
         """Start promoting the listed blocks SSD → host so they are warm on arrival."""

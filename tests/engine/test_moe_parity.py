@@ -1,4 +1,5 @@
-"""Qwen3 and the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) equal HF transformers (fp32):
+"""Qwen3 and the MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 and V3 with their
+latent attention) equal HF transformers (fp32):
 greedy output over ragged batches and chunked prefill, prompt logits, prefix-cache hits and
 preemption, and the grouped experts path equals the per-token loop inside the engine."""
 
@@ -13,7 +14,8 @@ from tests.helpers.engine import assert_idle, random_prompts
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 LENGTHS = (3, 16, 17, 41, 90)
-FAMILIES = ["tiny_qwen3", "tiny_mixtral", "tiny_qwen2_moe", "tiny_qwen3_moe"]
+FAMILIES = ["tiny_qwen3", "tiny_mixtral", "tiny_qwen2_moe", "tiny_qwen3_moe",
+            "tiny_deepseek_v2", "tiny_deepseek_v3"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

@@ -35,10 +35,42 @@ def _config(family: str, **overrides):
     return _moe_config(family, kwargs)
 
 
+# MLA sizes: a 32-wide latent plus an 8-wide rope key per token (40 elements, FP8-aligned)
+# against 2 * 2 heads * 16 = 64 for the GQA checkpoints; layer 0 dense, layer 1 MoE.
+_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            n_shared_experts=1, first_k_dense_replace=1)
+
+
+def _deepseek_config(family: str, kwargs: dict):
+    """DeepSeek-V2 (V2-Lite shape: no q bottleneck; group-limited routing) and V3 (q
+    bottleneck, noaux_tc routing with its bias, yarn rope with both mscales)."""
+    import transformers
+
+    kwargs = {**_MLA, **kwargs}
+    kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # MLA: every head its own
+    if family == "deepseek_v2":
+        kwargs.setdefault("q_lora_rank", None)
+        kwargs.setdefault("topk_method", "group_limited_greedy")
+        kwargs.setdefault("n_group", 2)
+        kwargs.setdefault("topk_group", 1)
+        return transformers.DeepseekV2Config(**kwargs)
+    kwargs.setdefault("q_lora_rank", 24)
+    kwargs.setdefault("n_group", 2)
+    kwargs.setdefault("topk_group", 1)
+    kwargs.setdefault("rope_parameters", {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 256, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 0.8, "mscale_all_dim": 0.7})
+    return transformers.DeepseekV3Config(**kwargs)
+
+
 def _moe_config(family: str, kwargs: dict):
     """Tiny MoE configs: 4 experts, top-2, hidden 64 (the `_COMMON` sizes)."""
     import transformers
 
+    if family.startswith("deepseek"):
+        return _deepseek_config(family, kwargs)
     kwargs.setdefault("num_experts_per_tok", 2)
     if family == "mixtral":
         kwargs.setdefault("num_local_experts", 4)
@@ -68,6 +100,9 @@ def save_tiny(out_dir: Path, family: str, seed: int = 0, dtype=torch.float32,
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
+        for name, b in model.named_buffers():  # DeepSeek-V3's routing bias picks experts
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.1)
     out_dir.mkdir(parents=True, exist_ok=True)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, **kw)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from router.policy import Load, pick_decode, pick_prefill, prefill_remotely
 
 
@@ -67,3 +69,20 @@ def test_tier_weights_discount_slower_tiers():
     assert weighted_blocks([4, 4, 4]) == 4.0  # all in device memory
     assert weighted_blocks([0, 4, 4]) < weighted_blocks([4, 4, 4])
     assert weighted_blocks([0, 0, 4]) < weighted_blocks([0, 4, 4])
+
+
+def test_tier_weights_come_from_the_real_block_bytes_and_measured_speeds():
+    from router.policy import TIER_WEIGHTS, TierSpeeds, tier_weights, weighted_blocks
+
+    assert tier_weights(None) == TIER_WEIGHTS
+    assert tier_weights(TierSpeeds(4096, 16)) == TIER_WEIGHTS  # nothing measured yet
+    # 16 tokens at 1600 tok/s: 10 ms to recompute a block. SSD at 1 MB/s reads a 4 kB
+    # (MLA-sized) block in 4 ms and a 16 kB (GQA-sized) one in 16 ms: worth 0.6, or nothing.
+    latent = tier_weights(TierSpeeds(4000, 16, host_bw=4e8, ssd_bw=1e6, prefill_tps=1600))
+    heads = tier_weights(TierSpeeds(16000, 16, host_bw=4e8, ssd_bw=1e6, prefill_tps=1600))
+    assert latent[0] == heads[0] == 1.0
+    assert latent[1] > 0.99 and latent[2] == pytest.approx(0.6)
+    assert heads[2] == 0.0
+    only_host = tier_weights(TierSpeeds(4000, 16, host_bw=4e8, prefill_tps=1600))
+    assert only_host[2] == TIER_WEIGHTS[2]  # SSD not measured: the default
+    assert weighted_blocks([0, 0, 4], latent) > weighted_blocks([0, 0, 4], heads)

@@ -69,6 +69,10 @@ class LinearMethod:
 
 
 class LinearBase(nn.Module):
+    quantizable = True
+    """False keeps the layer's dense weight under any quantisation scheme (a layer whose
+    weight is also read directly, e.g. MLA's kv_b_proj in the absorbed attention)."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype,
                  tp: ParallelContext) -> None:
         super().__init__()
@@ -83,6 +87,18 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """The whole matrix on every rank, no communication (e.g. MLA's latent projection, whose
+    output every rank needs in full)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 dtype: torch.dtype = torch.float32, tp: ParallelContext = SINGLE) -> None:
+        super().__init__(in_features, out_features, bias, dtype, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        self.method.load(self, param, loaded, None)
 
 
 def _rank_rows(loaded: Loaded, rank: int, size: int, dest_row: int = 0) -> Shard:

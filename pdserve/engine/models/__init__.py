@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.engine.models.deepseek import DeepseekForCausalLM
 from pdserve.engine.models.llama import LlamaForCausalLM
 from pdserve.engine.models.moe import MoEForCausalLM
 from pdserve.engine.models.qwen3 import Qwen3ForCausalLM
@@ -14,6 +15,9 @@ MODEL_CLASSES = {
     "mixtral": MoEForCausalLM,
     "qwen2_moe": MoEForCausalLM,
     "qwen3_moe": MoEForCausalLM,
+    "deepseek_v2": DeepseekForCausalLM,
+    "deepseek_v3": DeepseekForCausalLM,
 }
 
-__all__ = ["MODEL_CLASSES", "LlamaForCausalLM", "MoEForCausalLM", "Qwen3ForCausalLM"]
+__all__ = ["MODEL_CLASSES", "DeepseekForCausalLM", "LlamaForCausalLM", "MoEForCausalLM",
+           "Qwen3ForCausalLM"]

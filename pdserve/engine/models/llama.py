@@ -111,8 +111,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.rope, cfg.head_dim,
-                                 max_positions or cfg.max_position_embeddings)
+        rotary = self.make_rotary(cfg, max_positions or cfg.max_position_embeddings)
         self.rotary = rotary  # one table for every layer, looked up once per step
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         self.layers = nn.ModuleList(self.make_layer(i, cfg, dtype, tp, rotary)
@@ -121,6 +120,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def make_rotary(self, cfg: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The rotary table every layer shares (over `head_dim`; MLA: its rope part)."""
+        return RotaryEmbedding(cfg.rope, cfg.head_dim, max_positions)
 
     def make_layer(self, index: int, cfg: ModelConfig, dtype: torch.dtype, tp: ParallelContext,
                    rotary: RotaryEmbedding) -> nn.Module:
@@ -133,16 +136,29 @@ class LlamaForCausalLM(nn.Module):
                 run_layer: RunLayer | None = None) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm. `run_layer(layer, rope, x, cache,
         meta, backend)` replaces the plain call of each layer (a compiled decode step)."""
+        return self.forward_features(input_ids, positions, caches, meta, backend,
+                                     layer_hook, run_layer=run_layer)[0]
+
+    def forward_features(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         caches: list[torch.Tensor], meta: AttentionMetadata,
+                         backend: AttentionBackend, layer_hook: LayerHook | None = None,
+                         aux_layers: tuple[int, ...] = (), run_layer: RunLayer | None = None
+                         ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`, plus the residual stream entering each layer of `aux_layers` (what an
+        EAGLE-3 drafter fuses), in that order."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.at(positions, x.dtype)
+        taken: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                taken[i] = x
             if run_layer is None:
                 x = layer(rope, x, caches[i], meta, backend)
             else:
                 x = run_layer(layer, rope, x, caches[i], meta, backend)
             if layer_hook is not None:
                 layer_hook(i)
-        return self.norm(x)
+        return self.norm(x), [taken[i] for i in aux_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.logits(hidden)

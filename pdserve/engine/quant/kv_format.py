@@ -1,7 +1,8 @@
-"""The layout of one layer's paged KV cache, and the name it is hashed under.
+"""How a KV row is stored (the model's dtype, or packed FP8), and the name it is hashed under.
 
-Unquantised: `[num_blocks, 2, num_kv_heads, block_size, head_dim]` in the model's dtype.
-FP8: the same shape but uint8 with a last dimension of `head_dim + 4` (see `kv_fp8`).
+Unquantised: rows of `head_dim` elements in the model's dtype. FP8: uint8 rows of
+`head_dim + 4` bytes (see `kv_fp8`). The shapes and bytes of whole blocks are
+`pdserve.engine.kv_layout.KVLayout`'s.
 `str()` of a format is the kv-dtype key of the block hash, so KV written in one format is never
 taken for the other; for the unquantised format it is `str(dtype)` (e.g. "torch.float32"), as
 before FP8 existed, so existing hashes do not change.
@@ -36,11 +37,6 @@ class KVCacheFormat:
     def last_dim(self, head_dim: int) -> int:
         """Elements of storage_dtype per (token, head)."""
         return packed_dim(head_dim) if self.fp8 else head_dim
-
-    def bytes_per_block(self, num_kv_heads: int, block_size: int, head_dim: int) -> int:
-        """Bytes of one block of one layer (K and V)."""
-        elems = 2 * num_kv_heads * block_size * self.last_dim(head_dim)
-        return elems * self.storage_dtype.itemsize
 
     def __str__(self) -> str:
         if not self.fp8:

@@ -51,10 +51,10 @@ class QuantScheme(ABC):
 
 def install_quantization(model: torch.nn.Module, scheme: QuantScheme) -> int:
     """Give every linear layer and every MoE experts layer the scheme's method, before
-    loading; returns the count."""
+    loading; returns the count. A layer that is not `quantizable` keeps its dense weight."""
     count = 0
     for module in model.modules():
-        if isinstance(module, LinearBase):
+        if isinstance(module, LinearBase) and module.quantizable:
             method = scheme.linear_method()
         elif isinstance(module, FusedExperts):
             method = scheme.experts_method()

@@ -2,6 +2,8 @@
 
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
     {"model": "/path/to/draft", "num_speculative_tokens": 4}      # method "draft_model"
+    {"method": "eagle" | "eagle3" | "medusa", "model": HEAD_DIR, "num_speculative_tokens": 3}
+    {"method": "mtp", "num_speculative_tokens": 1}    # the target's own MTP layers
 
 Every key is validated here; an unknown key or a bad value raises `ValueError` naming the key.
 """
@@ -12,13 +14,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "medusa")
+HEAD_METHODS = ("eagle", "eagle3", "medusa")  # a head checkpoint directory in `model`
+_ALIASES = {"deepseek_mtp": "mtp", "eagle-3": "eagle3"}
 
 
 @dataclass(frozen=True)
 class SpecConfig:
     method: str
-    """ngram (prompt lookup, no model) or draft_model (a smaller model, same tokenizer)."""
+    """ngram (prompt lookup, no model), draft_model (a smaller model, same tokenizer),
+    eagle / eagle3 / medusa (a learned head in `model`, reading the target's hidden states),
+    or mtp (the target checkpoint's own multi-token-prediction layers)."""
     num_speculative_tokens: int
     """k: most draft tokens verified per request per step (the adaptive policy may use fewer)."""
     prompt_lookup_max: int = 3
@@ -26,13 +32,16 @@ class SpecConfig:
     prompt_lookup_min: int = 1
     """ngram: shortest suffix n-gram to look up."""
     model: str | None = None
-    """draft_model: checkpoint directory of the draft (its vocabulary must be the target's)."""
+    """draft_model: checkpoint directory of the draft (its vocabulary must be the target's);
+    eagle / eagle3 / medusa: the head's directory (config.json + safetensors); mtp: where
+    the MTP layers are (default: the target checkpoint)."""
     draft_greedy: bool = False
     """draft_model: draft the argmax even for sampled requests (q is then one-hot); by default
     the draft samples with the request's own parameters and q is its sampling distribution."""
     draft_num_gpu_blocks: int | None = None
-    """draft_model: KV blocks of the draft's own cache; None = the target's count plus one per
-    sequence slot (the draft holds at most as many tokens per request as the target, plus k)."""
+    """draft_model and the heads with attention (eagle, eagle3, mtp): KV blocks of the
+    drafter's own cache; None = the target's count plus one per sequence slot (the drafter
+    holds at most as many tokens per request as the target, plus k)."""
     adaptive: bool = True
     """Choose k per step from the batch size and measured acceptance (see `adaptive.py`);
     False always proposes num_speculative_tokens."""
@@ -50,9 +59,9 @@ class SpecConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
                              f"must be <= prompt_lookup_max ({self.prompt_lookup_max})")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model (the draft checkpoint) is required for "
-                             "method 'draft_model'")
+        if self.method in ("draft_model", *HEAD_METHODS) and not self.model:
+            raise ValueError(f"speculative_config.model (the draft checkpoint) is required for "
+                             f"method {self.method!r}")
         if self.method == "ngram" and self.model:
             raise ValueError("speculative_config.model must not be set for method 'ngram'")
         if self.draft_num_gpu_blocks is not None:
@@ -78,6 +87,7 @@ class SpecConfig:
         if "num_speculative_tokens" not in values:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         values.setdefault("method", "draft_model" if values.get("model") else "ngram")
+        values["method"] = _ALIASES.get(values["method"], values["method"])
         if values.get("model") is not None:
             values["model"] = str(values["model"])
         return cls(**values)

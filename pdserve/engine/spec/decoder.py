@@ -1,6 +1,8 @@
 """The engine-facing side of speculative decoding: when to propose, how to verify, what to count.
 
-    apply_results(step N) ──► propose(scheduler): k per request (policy), drafts (proposer)
+    execute(step N) ──► observe(features): a learned drafter's target hidden states
+    apply_results(step N) ──► propose(scheduler): the drafter extends over what step N
+        verified (`Proposer.extend`), then k per request (policy), drafts (proposer)
         └► req.spec_token_ids = drafts          (scheduled with the decode token in step N+1)
     execute(step N+1) ──► sample(): verify the drafts against the target's logits
         └► accepted drafts + 1 token per request; the scheduler rolls rejected KV back
@@ -30,7 +32,8 @@ from pdserve.engine.spec.adaptive import (
     FixedK,
     default_compute_bound_tokens,
 )
-from pdserve.engine.spec.config import SpecConfig
+from pdserve.engine.spec.config import HEAD_METHODS, SpecConfig
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 from pdserve.engine.spec.ngram import NgramProposer
 from pdserve.engine.spec.proposer import Proposal, Proposer
 from pdserve.engine.spec.stats import SpecStats
@@ -60,6 +63,16 @@ class SpeculativeDecoder:
         self.max_step_tokens = max_step_tokens
         self.counters = SpecStats()
         self._pending: dict[str, Proposal] = {}
+        self._features: tuple[Sequence[ScheduledChunk], StepFeatures] | None = None
+
+    @property
+    def feature_spec(self) -> FeatureSpec | None:
+        """What the drafter reads from each target forward (None: nothing)."""
+        return self.proposer.feature_spec
+
+    def observe(self, chunks: Sequence[ScheduledChunk], features: StepFeatures) -> None:
+        """The target's features of the step being executed; used once it is applied."""
+        self._features = (chunks, features)
 
     @torch.inference_mode()
     def propose(self, scheduler: Scheduler) -> None:
@@ -67,6 +80,10 @@ class SpeculativeDecoder:
         Only once a request has an output token: a prompt whose last token alone is left (a
         prefix hit up to it, a forked choice) samples its first token plainly, as it would
         have uncached, so a seeded request's first token never depends on the cache."""
+        if self._features is not None:
+            chunks, features = self._features
+            self._features = None
+            self.proposer.extend(chunks, features, scheduler.requests)
         decoding = [r for r in scheduler.running if r.status is RequestStatus.RUNNING
                     and r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1]
         if not decoding:
@@ -145,6 +162,10 @@ def build_speculator(engine: LLMEngine) -> SpeculativeDecoder | None:
 def _proposer(cfg: SpecConfig, engine: LLMEngine) -> Proposer:
     if cfg.method == "ngram":
         return NgramProposer(cfg.prompt_lookup_max, cfg.prompt_lookup_min)
+    if cfg.method in (*HEAD_METHODS, "mtp"):
+        from pdserve.engine.spec.heads import build_head_proposer
+
+        return build_head_proposer(cfg, engine)
     from pdserve.engine.spec.draft_model import DraftModelProposer
 
     draft = _draft_engine(cfg, engine)

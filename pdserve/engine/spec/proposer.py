@@ -9,9 +9,10 @@ Proposers that keep per-request state (a draft model's KV) are told when a reque
 preempted; they must also cope with requests they have never seen, at any length (a decode
 worker receives requests whose prompt KV was computed elsewhere).
 
-Room for EAGLE / MTP heads: they implement the same interface; what they need in addition is
-the target's last hidden states at the verified positions, which would come through one more
-hook called from the engine's execute (not wired yet: no drafter here needs it).
+Learned heads (EAGLE, EAGLE-3, MTP, Medusa) also read the target's hidden states: a proposer
+with a `feature_spec` gets every step's `StepFeatures` through `extend`, called once per step
+after the scheduler applied the step's tokens (so a request's `num_computed_tokens` counts
+only verified positions) and before `propose`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from pdserve.engine.request import Request
+from pdserve.engine.scheduler import ScheduledChunk
+from pdserve.engine.spec.features import FeatureSpec, StepFeatures
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,13 @@ class Proposer(ABC):
     draft_cost_ratio: float = 0.0
     """Cost of one drafting forward relative to one target forward (0 for model-free drafters);
     the adaptive policy weighs it against the expected acceptance."""
+    feature_spec: FeatureSpec | None = None
+    """What the drafter reads from each target forward (None: nothing; see `extend`)."""
+
+    def extend(self, chunks: Sequence[ScheduledChunk], features: StepFeatures,  # noqa: B027
+               requests: Mapping[str, Request]) -> None:
+        """The target's features of one step (`chunks` in plan order) and the live requests,
+        after the step's tokens were applied. Only called when `feature_spec` is set."""
 
     @abstractmethod
     def propose(self, requests: Sequence[Request], k: Mapping[str, int]

@@ -25,11 +25,12 @@ JOIN_TIMEOUT_S = 300.0
 
 def check_divisible(cfg: ModelConfig, size: int, expert_parallel: bool = False) -> None:
     """Refuse a TP degree the model cannot be split over, before any process starts.
-    KV heads may be fewer than ranks (they are then replicated) if they divide the degree;
-    MoE experts split as `MoEConfig.check_split` says."""
+    KV heads may be fewer than ranks (they are then replicated) if they divide the degree
+    (an MLA latent is replicated on every rank); MoE experts split as
+    `MoEConfig.check_split` says."""
     if cfg.num_heads % size:
         raise ValueError(f"{cfg.num_heads} attention heads do not split over TP={size}")
-    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+    if cfg.mla is None and cfg.num_kv_heads % size and size % cfg.num_kv_heads:
         raise ValueError(f"{cfg.num_kv_heads} KV heads neither split nor replicate over TP={size}")
     has_dense_mlp = cfg.moe is None or len(cfg.moe.sparse_layers) < cfg.num_layers
     if has_dense_mlp and cfg.intermediate_size % size:

@@ -257,7 +257,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra", "max_num_seqs", "max_num_batched_tokens")
+    __slots__ = ("worker_id", "role", "model_id", "block_size", "tp_size", "max_model_len", "endpoints", "api_version", "hash_extra", "max_num_seqs", "max_num_batched_tokens", "kv_bytes_per_block")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +269,7 @@ class WorkerInfo(_message.Message):
     HASH_EXTRA_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     model_id: str
@@ -280,4 +281,5 @@ class WorkerInfo(_message.Message):
     hash_extra: bytes
     max_num_seqs: int
     max_num_batched_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ...) -> None: ...
+    kv_bytes_per_block: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., model_id: _Optional[str] = ..., block_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., api_version: _Optional[int] = ..., hash_extra: _Optional[bytes] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., kv_bytes_per_block: _Optional[int] = ...) -> None: ...
