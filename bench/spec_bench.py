@@ -109,9 +109,10 @@ def timed(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]], dict]:
 
 
 def run_rows(model_dir: Path, prompts, max_new, names: list[str], repeats: int,
-             label: str | None = None) -> list[dict]:
+             label: str | None = None, num_gpu_blocks: int | None = None) -> list[dict]:
     llms = {n: LLM(str(model_dir), dtype="float32", enable_prefix_caching=False,
-                   speculative_config=CONFIGS[n]) for n in names}
+                   speculative_config=CONFIGS[n], num_gpu_blocks=num_gpu_blocks)
+            for n in names}
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
     best: dict[str, tuple[float, dict]] = {}
@@ -175,7 +176,11 @@ def real_rows(a: argparse.Namespace) -> None:
     rows = []
     for label, prompt in (("code continuation", tok.encode(CODE)),
                           ("repeat/edit passage", edit_prompt(tok))):
-        rows += run_rows(model_dir, [prompt], [a.max_tokens], list(CONFIGS), a.repeats, label)
+        # A small KV cache each (one request): three engines at the default 1 GiB each do not
+        # fit beside other work on a 24 GiB machine.
+        blocks = -(-(len(prompt) + a.max_tokens + 8) // 16) + 4
+        rows += run_rows(model_dir, [prompt], [a.max_tokens], list(CONFIGS), a.repeats, label,
+                         num_gpu_blocks=blocks)
     print(f"\nn-gram speculation at batch 1 ({model_dir.name}, fp32, greedy, "
           f"{a.max_tokens} new tokens, k <= {K}, {torch.get_num_threads()} threads, "
           f"load average {os.getloadavg()[0]:.1f})")
