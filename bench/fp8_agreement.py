@@ -17,7 +17,8 @@ reports whether they match.
 Rows (`VARIANTS`): every linear layer in FP8 (the scheme before issue 11), one layer type at a
 time (sensitivity), all but some layers (what keeping them in fp32 buys), the shipped default
 (`DEFAULT_FULL_PRECISION`), the FP8 KV cache alone and with the default, and for scale the
-whole model in bf16 (weights and activations). The LM head is fp32 in every FP8 row.
+whole model in bf16 (weights and activations). The LM head is fp32 in every FP8 row. The last
+two rows score W4A16 (`quantization="int4"`, the GGUF's own Q4_1 blocks) the same way.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ VARIANTS: dict[str, dict] = {
     "w8a8 attention only": {"quantization": "fp8",
                             "fp8_full_precision_layers": ("*.gate_up_proj", "*.mlp.down_proj")},
     "bf16 model (reference)": {"dtype": "bfloat16"},
+    "w4a16 int4 (fp32 head)": {"quantization": "int4", "lm_head_dtype": "model"},
+    "w4a16 int4 + bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
 }
 
 

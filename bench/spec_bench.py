@@ -127,10 +127,10 @@ def run_rows(model_dir: Path, prompts, max_new, names: list[str], repeats: int,
     rows = []
     for n in names:
         dt, d = best[n]
-        label = {} if label is None else {"prompt": label}
+        tag = {} if label is None else {"prompt": label}
         steps = d["spec_verify_steps"]
         rows.append({
-            **label, "batch": len(prompts), "config": n, "output_tok_s": useful / dt,
+            **tag, "batch": len(prompts), "config": n, "output_tok_s": useful / dt,
             "vs_off": best["off"][0] / dt,
             "mean_accepted_len": (1 + d["spec_drafts_accepted"] / steps) if steps else None,
             "acceptance": (d["spec_drafts_accepted"] / d["spec_drafts_proposed"]
