@@ -18,7 +18,7 @@ Rows (`VARIANTS`): every linear layer in FP8 (the scheme before issue 11), one l
 time (sensitivity), all but some layers (what keeping them in fp32 buys), the shipped default
 (`DEFAULT_FULL_PRECISION`), the FP8 KV cache alone and with the default, and for scale the
 whole model in bf16 (weights and activations). The LM head is fp32 in every FP8 row. The last
-two rows score W4A16 (`quantization="int4"`, the GGUF's own Q4_1 blocks) the same way.
+three rows score W4A16 (`quantization="int4"`, the GGUF's own Q4_1 blocks) the same way.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ VARIANTS: dict[str, dict] = {
     "bf16 model (reference)": {"dtype": "bfloat16"},
     "w4a16 int4 (fp32 head)": {"quantization": "int4", "lm_head_dtype": "model"},
     "w4a16 int4 + bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
+    "w4a16 int4 + int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
 
 
