@@ -1,7 +1,8 @@
 """Where a decode step's time goes: torch.profiler over decode steps of the real default model.
 
     .venv/bin/python bench/profile_decode.py [--batch 1 32] [--steps 8] [--threads 2]
-        [--attention auto|torch|cpu] [--trace DIR]
+        [--attention auto|torch|cpu] [--quantization int4|fp8] [--lm-head-dtype auto]
+        [--trace DIR]
 
 For each batch size: prefill the batch (128-token prompts), then profile `--steps` decode
 steps of `LLMEngine.step()` and print the top operators by self CPU time, plus the share of
@@ -66,13 +67,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--attention", default="auto")
+    ap.add_argument("--quantization", default=None, help="e.g. int4 (W4A16), fp8")
+    ap.add_argument("--lm-head-dtype", default="auto")
     ap.add_argument("--model", default=None, help="default: the real default model")
     ap.add_argument("--trace", type=Path, default=None)
     ap.add_argument("--output", default="bench/results/profile_decode.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     llm = LLM(a.model, dtype="float32", enable_prefix_caching=False,
-              attention_backend=a.attention, kv_cache_memory_gb=0.5)  # 32 x 144 tokens fit
+              attention_backend=a.attention, quantization=a.quantization,
+              lm_head_dtype=a.lm_head_dtype, kv_cache_memory_gb=0.5)  # 32 x 144 tokens fit
     results = []
     for b in a.batch:
         r = profile_batch(llm, b, a.steps, a.trace)

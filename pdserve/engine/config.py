@@ -47,6 +47,10 @@ class EngineConfig:
     """None, "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations) or
     "int4" (W4A16: 4-bit group-quantised weights, 16-bit activations). A quantised checkpoint
     (GPTQ, AWQ, FP8: quantization_config in config.json) runs its own scheme either way."""
+    fp8_full_precision_layers: tuple[str, ...] | None = None
+    """Under quantization="fp8" (at load): fnmatch patterns of the linear layers kept in the
+    model's precision, e.g. ("layers.0.*", "*.mlp.down_proj"); () quantises every one; None
+    takes the scheme's measured default (`quant.fp8_scheme.DEFAULT_FULL_PRECISION`)."""
     lm_head_dtype: str = "auto"
     """Precision of the LM head's matmul: model (the model's dtype), bf16 (a bf16 copy), int4
     (a 4-bit copy), or auto (the quantisation scheme's default; "model" without one). A tied
@@ -87,6 +91,7 @@ class EngineConfig:
         if self.quantization not in (None, "fp8", "int4"):
             raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
                              f"{self.quantization!r}")
+        _check_fp8_layers(self)
         if self.lm_head_dtype not in ("auto", "model", "bf16", "int4"):
             raise ValueError(f"lm_head_dtype must be auto, model, bf16 or int4, got "
                              f"{self.lm_head_dtype!r}")
@@ -104,6 +109,18 @@ def _positive(cfg: EngineConfig, *names: str) -> None:
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_fp8_layers(cfg: EngineConfig) -> None:
+    layers = cfg.fp8_full_precision_layers
+    if layers is None:
+        return
+    if isinstance(layers, str) or not all(isinstance(p, str) and p for p in layers):
+        raise ValueError("fp8_full_precision_layers must be a sequence of non-empty layer-name "
+                         f"patterns, got {layers!r}")
+    if cfg.quantization != "fp8":
+        raise ValueError("fp8_full_precision_layers needs quantization='fp8'")
+    object.__setattr__(cfg, "fp8_full_precision_layers", tuple(layers))  # JSON gives a list
 
 
 def _check_tiers(cfg: EngineConfig) -> None:

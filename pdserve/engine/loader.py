@@ -21,11 +21,13 @@ from pdserve.engine.quant.scheme import install_quantization
 def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
-               quantization: str | None = None, lm_head_dtype: str = "auto") -> torch.nn.Module:
+               quantization: str | None = None, lm_head_dtype: str = "auto",
+               fp8_full_precision: tuple[str, ...] | None = None) -> torch.nn.Module:
     """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
     and a quantised checkpoint (quantization_config in config.json) loads as it is stored;
-    `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`)."""
-    scheme = resolve_quantization(quantization, checkpoint.path)
+    `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`);
+    `fp8_full_precision` the layers FP8 leaves alone (None: its default)."""
+    scheme = resolve_quantization(quantization, checkpoint.path, fp8_full_precision)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
         if scheme is not None:  # before loading: quantised layers load into their own layout

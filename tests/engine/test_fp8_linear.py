@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -39,7 +40,7 @@ from pdserve.engine.quant.fp8 import (
     dequantize_rows,
     quantize_rows,
 )
-from pdserve.engine.quant.fp8_scheme import Fp8Scheme, scale_column
+from pdserve.engine.quant.fp8_scheme import DEFAULT_FULL_PRECISION, Fp8Scheme, scale_column
 from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
 from tests.helpers.engine import random_prompts
 
@@ -86,7 +87,10 @@ def ref_llm(bigram_dir):
 
 @pytest.fixture(scope="module")
 def fp8_llm(bigram_dir):
-    return LLM(str(bigram_dir), num_gpu_blocks=32, quantization="fp8")
+    # Every linear layer in FP8 (not the default recipe, which keeps some in full precision):
+    # these tests are about the quantised math itself.
+    return LLM(str(bigram_dir), num_gpu_blocks=32, quantization="fp8",
+               fp8_full_precision_layers=())
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +214,8 @@ def test_fp8_logit_error_is_bounded(logits_pair):
 def test_fp8_checkpoint_gives_the_logits_of_quantise_at_load(tiny_llama, tmp_path, flat_scales):
     ckpt = write_fp8_checkpoint(tiny_llama, tmp_path / "fp8", flat_scales=flat_scales)
     loaded = LLM(str(ckpt), num_gpu_blocks=16)  # detected from config.json
-    at_load = LLM(str(tiny_llama), num_gpu_blocks=16, quantization="fp8")
+    at_load = LLM(str(tiny_llama), num_gpu_blocks=16, quantization="fp8",
+                  fp8_full_precision_layers=())
     linears = [m for m in loaded.engine.runner.model.modules() if isinstance(m, LinearBase)]
     assert all(m.method.serialized and m.weight.dtype == FP8_DTYPE for m in linears)
     for p in random_prompts([23, 40], VOCAB, seed=3):
@@ -309,3 +314,46 @@ def test_fp8_checkpoint_and_fp8_cache_under_tp2_match_tp1(tiny_llama, tmp_path):
         assert len(out.token_ids) == 4
     rel = (got - want).norm(dim=-1) / (want - want.mean(-1, keepdim=True)).norm(dim=-1)
     assert rel.max() < 0.08, rel.max()
+
+
+# -- mixed-precision recipes (fp8_full_precision_layers) --------------------------------------
+def test_default_recipe_keeps_its_layers_in_full_precision(tiny_llama):
+    llm = LLM(str(tiny_llama), num_gpu_blocks=16, quantization="fp8")
+    scheme = Fp8Scheme()
+    assert scheme.full_precision == DEFAULT_FULL_PRECISION
+    for name, m in llm.engine.runner.model.named_modules():
+        if isinstance(m, LinearBase):
+            kept = name.startswith("layers.0.") or name.endswith("mlp.down_proj")
+            assert (m.weight.dtype == torch.float32) == kept, name
+            assert isinstance(m.method, Fp8LinearMethod) != kept, name
+
+
+def test_full_precision_patterns_choose_layers_and_name_the_numerics():
+    every, some = Fp8Scheme(full_precision=()), Fp8Scheme(full_precision=["*.o_proj"])
+    assert some.full_precision == ("*.o_proj",)  # a JSON list becomes a tuple
+    assert every.covers("layers.3.self_attn.o_proj")
+    assert not some.covers("layers.3.self_attn.o_proj")
+    assert some.covers("layers.3.self_attn.qkv_proj")
+    assert len({every.key, some.key, Fp8Scheme().key}) == 3  # KV never shared across recipes
+    assert Fp8Scheme(serialized=True).full_precision == ()
+    with pytest.raises(ValueError, match="patterns"):
+        Fp8Scheme(full_precision="layers.0.*")
+    with pytest.raises(ValueError, match="as it is stored"):
+        Fp8Scheme(serialized=True, full_precision=("layers.0.*",))
+
+
+def test_full_precision_option_is_validated(tmp_path):
+    plain = _write_config(tmp_path / "plain", None)
+    fp8 = _write_config(tmp_path / "fp8", {"quant_method": "fp8"})
+    assert resolve_quantization("fp8", plain, ["*.down_proj"]).full_precision == (
+        "*.down_proj",)
+    with pytest.raises(ValueError, match="already fp8"):
+        resolve_quantization("fp8", fp8, ["*.down_proj"])
+    with pytest.raises(ValueError, match="needs quantization='fp8'"):
+        resolve_quantization("int4", plain, ())
+    with pytest.raises(ValueError, match="needs quantization='fp8'"):
+        EngineConfig(model="m", fp8_full_precision_layers=("layers.0.*",))
+    with pytest.raises(ValueError, match="non-empty"):
+        EngineConfig(model="m", quantization="fp8", fp8_full_precision_layers=("",))
+    cfg = EngineConfig(model="m", quantization="fp8", fp8_full_precision_layers=["a.*"])
+    assert cfg.fp8_full_precision_layers == ("a.*",)  # as the TP followers rebuild it

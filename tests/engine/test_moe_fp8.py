@@ -86,7 +86,8 @@ def bigram_moe(tmp_path_factory):
 def test_fp8_experts_keep_top1_predictions_of_the_full_precision_model(bigram_moe):
     prompts = random_prompts([200, 200], VOCAB, seed=11)
     ref_llm = LLM(str(bigram_moe), num_gpu_blocks=32)
-    fp8_llm = LLM(str(bigram_moe), num_gpu_blocks=32, quantization="fp8")
+    fp8_llm = LLM(str(bigram_moe), num_gpu_blocks=32, quantization="fp8",
+                  fp8_full_precision_layers=())
     experts = [m for m in fp8_llm.engine.runner.model.modules() if isinstance(m, FusedExperts)]
     assert experts and all(isinstance(m.method, Fp8ExpertsMethod) for m in experts)
     assert all(m.w13_weight.dtype == FP8_DTYPE for m in experts)
@@ -112,7 +113,8 @@ def test_fp8_moe_checkpoint_gives_the_logits_of_quantise_at_load(tiny_qwen2_moe,
     assert "model.layers.0.mlp.experts.3.up_proj.weight_scale" in load_file(
         str(ckpt / "model.safetensors"))
     loaded = LLM(str(ckpt), num_gpu_blocks=16)  # detected from config.json
-    at_load = LLM(str(tiny_qwen2_moe), num_gpu_blocks=16, quantization="fp8")
+    at_load = LLM(str(tiny_qwen2_moe), num_gpu_blocks=16, quantization="fp8",
+                  fp8_full_precision_layers=())
     experts = loaded.engine.runner.model.layers[0].mlp.experts
     assert experts.method.serialized and experts.w2_weight.dtype == FP8_DTYPE
     for p in random_prompts([23, 40], VOCAB, seed=3):

@@ -4,6 +4,7 @@
     "fp8"                                            Fp8Scheme(serialized=True)
     "gptq", "awq"                                    Int4Scheme(checkpoint=HfInt4Format)
     (none) + requested "fp8" / "int4"                quantised at load from the fp weights
+                                                     (fp8: minus its full_precision layers)
 
 A request that contradicts the checkpoint (fp8 for a GPTQ file, int4 for an FP8 one) is
 refused; any other quant_method is refused by name.
@@ -12,6 +13,7 @@ refused; any other quant_method is refused by name.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from pdserve.engine.quant.fp8_scheme import Fp8Scheme
@@ -24,17 +26,27 @@ _FROM_CHECKPOINT = {"fp8": Fp8Scheme.from_config, "gptq": Int4Scheme.from_config
                     "awq": Int4Scheme.from_config}
 
 
-def resolve_quantization(requested: str | None, model_dir: str | Path) -> QuantScheme | None:
-    """The scheme to run: the checkpoint's own, else the requested one, else None."""
+def resolve_quantization(requested: str | None, model_dir: str | Path,
+                         fp8_full_precision: Sequence[str] | None = None
+                         ) -> QuantScheme | None:
+    """The scheme to run: the checkpoint's own, else the requested one, else None.
+    `fp8_full_precision` (None: the scheme's default) applies to "fp8" quantised at load."""
     if requested not in REQUESTABLE:
         raise ValueError(f"quantization must be None, 'fp8' or 'int4', got {requested!r}")
+    if fp8_full_precision is not None and requested != "fp8":
+        raise ValueError("fp8_full_precision_layers needs quantization='fp8'")
     qc = _checkpoint_quant_config(Path(model_dir))
     if qc is None:
+        if requested == "fp8" and fp8_full_precision is not None:
+            return Fp8Scheme(full_precision=tuple(fp8_full_precision))
         return None if requested is None else _AT_LOAD[requested]()
     method = qc.get("quant_method")
     if method not in _FROM_CHECKPOINT:
         raise ValueError(f"config.json quantization_config.quant_method {method!r} is not "
                          f"supported (supported: {', '.join(sorted(_FROM_CHECKPOINT))})")
+    if fp8_full_precision:
+        raise ValueError("fp8_full_precision_layers applies to quantising at load; this "
+                         f"checkpoint is already {method}")
     scheme = _FROM_CHECKPOINT[method](qc)
     if requested is not None and requested != scheme.family:
         raise ValueError(f"quantization={requested!r} was requested but the checkpoint is "

@@ -8,6 +8,13 @@ are loaded as they are). Checkpoint scales are per tensor (a scalar) or per outp
 TP layer's `weight_loader` shards them exactly like the weight's rows, and the scales of fused
 layers (q/k/v, gate/up) land in the rows of their own shard.
 
+Quantised at load, `full_precision` names the linear layers that stay in the model's precision
+(fnmatch patterns over module names such as "layers.0.mlp.down_proj"), the mixed-precision
+recipes vLLM / llm-compressor ship as `ignore` lists. `DEFAULT_FULL_PRECISION` was chosen from
+bench/fp8_agreement.py on the real default model (docs/perf.md): plain E4M3 keeps 3 mantissa
+bits whatever the scale's granularity, so finer scales buy little, and keeping the layers whose
+error costs the most top-1 agreement is what moves it.
+
 Static activation / KV scales (`input_scale`, `k_scale`, `v_scale`) are dropped: this engine
 always computes activation and KV scales dynamically, which is at least as accurate.
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 import torch
 
@@ -28,18 +36,41 @@ from pdserve.engine.quant.scheme import QuantScheme, ShapesFn, Weights
 SCALE_SUFFIX = ".weight_scale"
 _STATIC_SCALE_SUFFIXES = (".input_scale", ".k_scale", ".v_scale")
 _FULL_PRECISION_OK = ("lm_head",)  # kept in full precision here anyway
+DEFAULT_FULL_PRECISION: tuple[str, ...] = ("layers.0.*", "*.mlp.down_proj")
+"""Kept in the model's precision under quantization="fp8" unless told otherwise."""
 
 
 @dataclass(frozen=True)
 class Fp8Scheme(QuantScheme):
     serialized: bool = False
     """The checkpoint already holds FP8 weights and their scales."""
+    full_precision: tuple[str, ...] | None = None
+    """fnmatch patterns of module names kept in the model's precision; None: the default
+    (`DEFAULT_FULL_PRECISION` at load, none for a serialized checkpoint, which is loaded as it
+    is stored)."""
 
     family = "fp8"
 
+    def __post_init__(self) -> None:
+        patterns = self.full_precision
+        if patterns is None:
+            patterns = () if self.serialized else DEFAULT_FULL_PRECISION
+        if isinstance(patterns, str) or not all(isinstance(p, str) and p for p in patterns):
+            raise ValueError(f"fp8 full_precision must be a sequence of non-empty layer-name "
+                             f"patterns, got {patterns!r}")
+        object.__setattr__(self, "full_precision", tuple(patterns))  # hashable, comparable
+        if self.serialized and self.full_precision:
+            raise ValueError("an FP8 checkpoint is loaded as it is stored: full_precision "
+                             "layers apply only to quantising at load")
+
     @property
     def key(self) -> str:
-        return "fp8"
+        if not self.full_precision:
+            return "fp8"
+        return "fp8-fullprec:" + ",".join(self.full_precision)
+
+    def covers(self, module_name: str) -> bool:
+        return not any(fnmatchcase(module_name, p) for p in self.full_precision)
 
     @classmethod
     def from_config(cls, qc: Mapping) -> Fp8Scheme:

@@ -2,6 +2,7 @@
 them. One small handler class per scheme (`Fp8Scheme`, `Int4Scheme`), chosen by configuration
 (`resolve_quantization` in `checkpoint`), never by file name.
 
+    scheme.covers(name)             whether the layer of that module name is quantised at all
     scheme.linear_method()          a fresh `LinearMethod` for one linear layer
     scheme.experts_method()         the same for one MoE experts layer (`FusedExperts`)
     scheme.default_lm_head          the LM head's precision under lm_head_dtype="auto"
@@ -36,6 +37,11 @@ class QuantScheme(ABC):
         """Names the weights' numerics in the block hash (KV computed under another scheme is
         never reused)."""
 
+    def covers(self, module_name: str) -> bool:
+        """Whether the layer `module_name` (e.g. "layers.0.mlp.down_proj") takes this scheme;
+        one that does not keeps the model's precision (mixed-precision recipes)."""
+        return True
+
     @abstractmethod
     def linear_method(self) -> LinearMethod:
         """A new method for one linear layer (methods keep per-layer state)."""
@@ -50,10 +56,13 @@ class QuantScheme(ABC):
 
 
 def install_quantization(model: torch.nn.Module, scheme: QuantScheme) -> int:
-    """Give every linear layer and every MoE experts layer the scheme's method, before
-    loading; returns the count. A layer that is not `quantizable` keeps its dense weight."""
+    """Give every linear layer and every MoE experts layer the scheme covers the scheme's
+    method, before loading; returns the count. A layer that is not `quantizable` keeps its
+    dense weight."""
     count = 0
-    for module in model.modules():
+    for name, module in model.named_modules():
+        if not scheme.covers(name):
+            continue
         if isinstance(module, LinearBase) and module.quantizable:
             method = scheme.linear_method()
         elif isinstance(module, FusedExperts):
