@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import threading
 import time
+from typing import TextIO
 
 from pdserve.deploy import flags
 
@@ -146,15 +148,26 @@ def _up(a: argparse.Namespace, spec) -> int:
 def _status(a: argparse.Namespace) -> int:
     from pdserve.deploy import schema
 
+    out = _json_stdout() if a.json else sys.stdout
     t = time.monotonic()
     st = _deployment(a).status()
     took = time.monotonic() - t
     if a.json:
-        print(json.dumps(schema.dump(st), indent=2))
+        print(json.dumps(schema.dump(st), indent=2), file=out, flush=True)
     else:
         print(format_status(st))
         print(f"(answered in {took:.2f}s)")
     return 0
+
+
+def _json_stdout() -> TextIO:
+    """A stream onto the real stdout for a JSON document, with fd 1 pointed at stderr for the
+    rest of the process: Ray's driver threads print notices (a node that died, ...) to stdout,
+    which would break `pdserve ray status --json | jq`."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    return out
 
 
 def _scale(a: argparse.Namespace) -> int:
