@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pdserve.engine.attention.metadata import AttentionMetadata
+from pdserve.engine.attention.torch_ref import length_groups
 from pdserve.engine.quant.kv_fp8 import SCALE_BYTES, is_packed_fp8, pack_fp8, unpack_fp8
 
 ABSORB_MAX_QUERY = 16
@@ -89,7 +90,7 @@ def mla_attend(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
     lengths = [qs[i + 1] - qs[i] for i in range(meta.num_seqs)]
     out = q_nope.new_empty(q_nope.shape[0], heads.num_heads, heads.v_dim)
     singles = [i for i, n in enumerate(lengths) if n == 1]
-    for group in _length_groups(singles, meta.seq_lens):
+    for group in length_groups(singles, meta.seq_lens):
         rows = torch.tensor([qs[i] for i in group], device=q_nope.device)
         out[rows] = _decode(q_nope[rows], q_rope[rows], cache, meta, group, heads, scale)
     for i, n in enumerate(lengths):
@@ -101,18 +102,6 @@ def mla_attend(q_nope: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
         out[s:e] = form(q_nope[s:e], q_rope[s:e], cache, table, ctx, heads, scale)
     return out
 
-
-def _length_groups(seqs: list[int], lens: list[int], spread: float = 1.5) -> list[list[int]]:
-    """Decode requests grouped by context length (longest within `spread` x the shortest),
-    so one padded gather per group copies little more than the real context."""
-    groups: list[list[int]] = []
-    floor = 0
-    for i in sorted(seqs, key=lambda i: lens[i]):
-        if not groups or lens[i] > max(floor * spread, 64):
-            groups.append([])
-            floor = lens[i]
-        groups[-1].append(i)
-    return groups
 
 
 def _absorb(q_nope: torch.Tensor, q_rope: torch.Tensor, heads: MLAHeads) -> torch.Tensor:

@@ -58,7 +58,7 @@ def causal_mask(q_len: int, ctx_len: int, window: int | None, device) -> torch.T
     return mask
 
 
-def _length_groups(seqs: list[int], lens: list[int], spread: float = 1.5) -> list[list[int]]:
+def length_groups(seqs: list[int], lens: list[int], spread: float = 1.5) -> list[list[int]]:
     """Decode requests grouped by context length (longest within `spread` x the shortest),
     so one padded gather per group copies little more than the real context."""
     groups: list[list[int]] = []
@@ -87,7 +87,7 @@ class TorchAttention(AttentionBackend):
         qs = meta.query_start
         singles = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] == 1]
         out = torch.empty_like(q)
-        for group in _length_groups(singles, meta.seq_lens):
+        for group in length_groups(singles, meta.seq_lens):
             rows = torch.tensor([qs[i] for i in group], device=q.device)
             out[rows] = self._decode(q[rows], cache, meta, group, scale, sliding_window)
         for i in range(meta.num_seqs):
