@@ -30,8 +30,9 @@ Load rows use 1 prefill + 1 decode worker (the `pdserve up` default):
                  that deadline, admission on, and again with the router's --no-admission
                  (the baseline: what happened before admission control)
     burst        the same with 300 requests, max_tokens 64 and a 120 s deadline (issue 12)
-    huge-prompt  a 50 MB and a 4 MB text prompt: time until refused, and the latency of health
-                 checks and of a small request sent meanwhile
+    huge-prompt  a 50 MB and a 4 MB text prompt over gRPC and over the HTTP API: time until
+                 refused, and the latency of health checks and of a small request sent
+                 meanwhile
 
 Per row: OK %, failures by status, OK outputs that differ from the single-process engine's
 (greedy), p99 latency of OK requests and its ratio to the same load without a fault (measured
@@ -45,9 +46,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import json
 import os
 import random
+import select
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -343,16 +347,19 @@ def router_gauge(cluster: LocalCluster, name: str) -> float | None:
 def huge_prompt_row(model: Path, logs: Path) -> list[dict]:
     cluster = start(model, logs / "huge", 1, 1)
     try:
-        return [asyncio.run(_huge(cluster.address, mb)) for mb in (50, 4)]
+        rows = [asyncio.run(_huge(cluster.address, mb, "grpc")) for mb in (50, 4)]
+        return rows + [asyncio.run(_huge(cluster.address, mb, "http", cluster.http_address))
+                       for mb in (50, 4)]
     finally:
         cluster.stop()
 
 
-async def _huge(address: str, mb: int) -> dict:
-    """The huge request comes from another process (another client); this one checks health
-    and sends a small request meanwhile."""
+async def _huge(address: str, mb: int, api: str, http_address: str | None = None) -> dict:
+    """The huge request comes from another process (another client), over gRPC or the HTTP
+    API; this one checks gRPC health and sends a small request meanwhile."""
+    target = address if api == "grpc" else http_address
     sender = await asyncio.create_subprocess_exec(
-        sys.executable, __file__, "--huge-sender", address, str(mb),
+        sys.executable, __file__, f"--huge-{api}-sender", target, str(mb),
         stdout=asyncio.subprocess.PIPE)
     async with grpc.aio.insecure_channel(address) as ch:
         stub, health = pb_grpc.PDServeStub(ch), health_pb2_grpc.HealthStub(ch)
@@ -365,7 +372,7 @@ async def _huge(address: str, mb: int) -> dict:
             await asyncio.sleep(0.005)
         small = await one(stub, 1, request([5, 6, 7], 2), 30)
     status, refused_s, serialize_s = wait.result()[0].decode().split()
-    return {"row": f"huge-prompt {mb} MB", "requests": 1, "failures": {status: 1},
+    return {"row": f"huge-prompt {mb} MB {api}", "requests": 1, "failures": {status: 1},
             "refused_in_s": float(refused_s), "client_serialize_s": float(serialize_s),
             "health_checks": len(checks),
             "health_p99_s": percentile(sorted(checks), 0.99) if checks else None,
@@ -390,6 +397,37 @@ def huge_sender(address: str, mb: int) -> None:
     print(out.status, out.end - out.start, serialize_s)
 
 
+def huge_http_sender(address: str, mb: int) -> None:
+    """POST one `mb` MB completions body as a client does (Content-Length first, then the
+    body), reading the response between chunks; print the status, seconds until it came, and
+    the seconds spent building the body."""
+    t0 = time.monotonic()
+    body = json.dumps({"model": "m", "prompt": "lorem ipsum " * (mb * 2**20 // 12),
+                       "max_tokens": 4}).encode()
+    build_s = time.monotonic() - t0
+    host, port = address.rsplit(":", 1)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {address}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        t0 = time.monotonic()
+        sock.sendall(head.encode())
+        status, sent = "no response", 0
+        while True:
+            ready, _, _ = select.select([sock], [], [], 0)
+            if ready:
+                line = sock.recv(256).split(b"\r\n", 1)[0].decode(errors="replace")
+                status = f"HTTP_{line.split()[1]}" if line.count(" ") >= 1 else "closed"
+                break
+            if sent >= len(body):
+                select.select([sock], [], [], 60)
+                continue
+            try:
+                sent += sock.send(body[sent:sent + (1 << 20)])
+            except OSError:  # the server closed while we were still sending
+                continue
+    print(status, time.monotonic() - t0, build_s)
+
+
 # -- main ------------------------------------------------------------------------------------
 
 
@@ -400,8 +438,10 @@ def engine_outputs(model: Path, prompts, max_tokens: int) -> list[list[int]]:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--huge-sender"]:
+    if sys.argv[1:2] == ["--huge-grpc-sender"]:
         huge_sender(sys.argv[2], int(sys.argv[3]))
+    elif sys.argv[1:2] == ["--huge-http-sender"]:
+        huge_http_sender(sys.argv[2], int(sys.argv[3]))
         return
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
