@@ -144,6 +144,16 @@ class RayNodes:
                               capture_output=True, text=True, timeout=120)
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    def actor_log(self, actor_name: str, lines: int = 60) -> str:
+        """The last `lines` of the Ray log (worker-*.err) of the actor named `actor_name`
+        (Ray names it in the log's first lines): what a failing test shows."""
+        logs = self.temp / "session_latest" / "logs"
+        for path in sorted(logs.glob("worker-*.err")):
+            text = path.read_text(errors="replace")
+            if f":actor_name:{actor_name}" in text[:4096]:
+                return "\n".join(text.splitlines()[-lines:])
+        return f"(no log of an actor named {actor_name} under {logs})"
+
     def by_id(self, node_id: str) -> RayNode:
         return next(n for n in self.nodes if n.node_id == node_id)
 

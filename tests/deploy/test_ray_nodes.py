@@ -46,11 +46,28 @@ router: {{port: 0, http_port: -1, num_cpus: 0.25, resources: {{router_node: 1}}}
     return str(path)
 
 
-def status(nodes: RayNodes) -> DeploymentStatus | None:
+def status(nodes: RayNodes, failures: list[str] | None = None) -> DeploymentStatus | None:
+    """The deployment's status from a `pdserve ray status` of its own, or None when that
+    command failed (e.g. it met the raylet being stopped: ask again); why goes to
+    `failures`."""
     done = pdserve_ray(nodes, "status", "--json", "--name", "nodes")
     if done.returncode != 0:
-        return None  # e.g. a command that met the raylet being stopped: ask again
+        if failures is not None:
+            failures.append(f"exit {done.returncode}: {done.stderr.strip()[-500:]}")
+        return None
     return schema.load(DeploymentStatus, json.loads(done.stdout))
+
+
+def settled_status(nodes: RayNodes) -> DeploymentStatus:
+    """A status, asking again while the command fails (it may meet a raylet going away)."""
+    got: list[DeploymentStatus] = []
+
+    def answered() -> bool:
+        s = status(nodes)
+        got.extend([s] if s is not None else [])
+        return s is not None
+    eventually(answered, "`pdserve ray status` answers", timeout_s=120, period_s=2.0)
+    return got[-1]
 
 
 def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redis_server,
@@ -72,7 +89,7 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                          "--redis", redis_server.url())
         assert up.returncode == 0, up.stderr[-3000:]
         try:
-            st = status(nodes)
+            st = settled_status(nodes)
             (p,), (r,) = st.of("prefill"), st.of("router")
             assert p.node_id == head.node_id == r.node_id  # the only prefill_node, router_node
             groups = nodes._query("{g['name']: sorted(set(g['bundles_to_node_id'].values())) "
@@ -88,9 +105,10 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                 nodes.stop_node(nodes.by_id(victim.node_id).index)
 
                 last: list[DeploymentStatus] = []
+                failures: list[str] = []
 
                 def moved() -> bool:
-                    s = status(nodes)  # a process of its own each time: poll gently
+                    s = status(nodes, failures)  # a process of its own each time: poll gently
                     last[:] = [s] if s is not None else last
                     return s is not None and s.converged and victim.name not in [
                         x.name for x in s.processes]
@@ -100,9 +118,12 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                 except AssertionError as exc:
                     from pdserve.deploy.cli import format_status
 
-                    raise AssertionError(f"{exc}; last status:\n" +
-                                         (format_status(last[0]) if last else "none")) from None
-            now = {x.node_id for x in status(nodes).of("decode")}
+                    raise AssertionError(
+                        f"{exc}; last status:\n" +
+                        (format_status(last[0]) if last else "none") +
+                        f"\nstatus failures ({len(failures)}): {failures[-3:]}"
+                        "\ncontroller log:\n" + nodes.actor_log("Controller")) from None
+            now = {x.node_id for x in settled_status(nodes).of("decode")}
             assert victim.node_id not in now and now <= decode_capable and len(now) == 2
             assert not _alive(victim.pid)
             assert not service.errors, service.errors[:3]
