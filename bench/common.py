@@ -26,7 +26,26 @@ def memcpy_bandwidth(nbytes: int = 512 * 2**20, repeats: int = 5) -> float:
 
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "torch": torch.__version__}
+            "platform": platform.platform(), "torch": torch.__version__, **cpu_model()}
+
+
+def cpu_model() -> dict:
+    """The CPU's name and the vector/matrix extensions that change which kernels run (a
+    figure from an AVX-512/AMX machine does not carry over to an AVX2 one)."""
+    name, flags = platform.processor(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8")
+    return {"cpu": name, "cpu_flags": [f for f in wanted if f in flags],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
