@@ -68,13 +68,8 @@ def connect_ray(address: str | None = None) -> None:
             f"{AUTH_HINT}") from None
 
 
-def _head_node_id() -> str:
-    import ray
-
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return ray.get_runtime_context().get_node_id()
+HEAD_RESOURCE = "node:__internal_head__"
+"""The resource only Ray's head node has: asking for a sliver of it pins an actor there."""
 
 
 class Deployment:
@@ -101,13 +96,14 @@ class Deployment:
             raise DeploymentExists(f"a deployment named {spec.name!r} is already running: "
                                    "`pdserve ray status` shows it, `pdserve ray down` stops "
                                    "it, or pick another --name")
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        # On the head node (whose loss ends the Ray cluster anyway), if it can.
-        home = NodeAffinitySchedulingStrategy(_head_node_id(), soft=True)
+        # On the head node, always: its loss ends the Ray cluster anyway (the GCS is there),
+        # while any other node may go, and the actors this one owns die with it. A soft
+        # affinity to the head was not honoured when this driver's own raylet was another
+        # node of the same host: the controller landed there and a node loss took the
+        # whole deployment down.
         options: dict[str, Any] = {"name": spec.controller_name, "namespace": NAMESPACE,
-                                   "num_cpus": 0, "max_restarts": 0,
-                                   "scheduling_strategy": home}
+                                   "num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001},
+                                   "max_restarts": 0}
         if detach:
             options["lifetime"] = "detached"
         actor = ray.remote(Controller).options(**options).remote(schema.dump(spec))

@@ -75,6 +75,12 @@ class Controller:
 
         return os.getpid()
 
+    async def node_id(self) -> str:
+        """The Ray node this controller runs on (the head's)."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     async def spec_dict(self) -> dict[str, Any]:
         return schema.dump(self.spec)
 

@@ -96,6 +96,10 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                                   "for g in ray.util.placement_group_table().values() "
                                   "if g['state'] == 'CREATED'}")
             assert groups["nodes-prefill-0"] == [head.node_id]  # both TP ranks on one node
+            # The controller is on the head whichever raylet the `up` driver talked to: the
+            # head's loss ends the cluster anyway, any other node may go.
+            assert nodes._query("ray.get(ray.get_actor('nodes-controller', namespace="
+                                "'pdserve').node_id.remote())") == head.node_id
             placed = [x.node_id for x in st.of("decode")]
             assert set(placed) <= decode_capable and len(set(placed)) == 2
             # Stop a worker node that holds a decode worker: it moves to the free slot.
