@@ -113,6 +113,10 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
 
                 def moved() -> bool:
                     s = status(nodes, failures)  # a process of its own each time: poll gently
+                    # A deployment that is gone does not come back: say so now, not in 8 min.
+                    assert s is not None or "no pdserve deployment" not in failures[-1], \
+                        f"the deployment is gone: {failures[-1]}\ncontroller log:\n" + \
+                        nodes.actor_log("Controller")
                     last[:] = [s] if s is not None else last
                     return s is not None and s.converged and victim.name not in [
                         x.name for x in s.processes]
