@@ -68,7 +68,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.demo_model import ensure_demo_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
-from pdserve.engine.model_config import ModelConfig  # noqa: E402
+from pdserve.engine.checkpoint import open_checkpoint  # noqa: E402
 from pdserve.launcher import ClusterSpec, LocalCluster  # noqa: E402
 from pdserve.proto import pb, pb_grpc  # noqa: E402
 
@@ -468,7 +468,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown rows: {sorted(unknown)}")
     model = Path(a.model) if a.model else ensure_demo_model()
-    vocab = ModelConfig.from_pretrained(model).vocab_size
+    vocab = open_checkpoint(str(model)).model_config.vocab_size
     rng = random.Random(0)
     prompts = [[rng.randrange(4, vocab) for _ in range(rng.choice((16, 64, 160)))]
                for _ in range(a.requests)]
