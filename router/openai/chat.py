@@ -54,11 +54,13 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
         ids = await tokenize(ctx, encode_chat, tokenizer, req)
     except ValueError as exc:  # no template, or the template refused these messages
         raise RequestError(f"messages: {exc}", "messages") from None
+    if req.truncation is not None:
+        ids = req.truncation.apply(ids)
     explicit = req.params.max_tokens if req.max_tokens_explicit else None
     check_prompt_ids(ids, ctx.model, "messages", explicit)
     rid = response_id("chatcmpl", req.out.request_id)
     shaper = ChatShaper(rid, int(time.time()), ctx.model.id,
-                        token_text(tokenizer, req.out.tokens_as_ids), req, ids,
+                        token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids), req, ids,
                         lambda: output_parser(req.tools, ctx.tools), ctx.prompt_tokens_details)
     valid = ValidRequest(rid, ids, req.params, req.out.skip_special_tokens)
     return await respond(request, ctx, [valid], shaper, req.out)

@@ -50,8 +50,8 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
         check_prompt_ids(v.ids, ctx.model, "prompt", explicit)
     rid = response_id("cmpl", req.out.request_id)
     valid = [ValidRequest(rid, v.ids, req.params, req.out.skip_special_tokens) for v in views]
-    shaper = CompletionShaper(rid, int(time.time()), ctx.model.id,
-                              token_text(tokenizer, req.out.tokens_as_ids), req, views,
+    text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
+    shaper = CompletionShaper(rid, int(time.time()), ctx.model.id, text_of, req, views,
                               ctx.prompt_tokens_details)
     return await respond(request, ctx, valid, shaper, req.out, req.best_of)
 
@@ -72,8 +72,8 @@ def _views(tokenizer: Tokenizer, req: CompletionRequest) -> list[PromptView]:
         else:
             ids = list(p)
             text = tokenizer.decode(ids, skip_special_tokens=False) if req.out.echo else ""
-        if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]
+        if req.truncation is not None:
+            ids = req.truncation.apply(ids)
         out.append(PromptView(ids, text))
     return out
 

@@ -31,7 +31,7 @@ from router.openai import sse
 from router.openai.body import BodyLimits
 from router.openai.errors import ApiError, from_status, too_many_requests
 from router.openai.responses import joined
-from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel
+from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel, StreamOptions
 from router.openai.tools import ToolConfig
 from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
@@ -52,6 +52,10 @@ class ApiContext:
     prompt_tokens_details: bool = False
     """usage.prompt_tokens_details (cached tokens), vLLM's --enable-prompt-tokens-details."""
     body: BodyLimits = BodyLimits()
+    tokens_as_ids: bool = False
+    """--return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request."""
+    force_include_usage: bool = False
+    """--enable-force-include-usage: streams carry usage on every chunk and at the end."""
 
 
 async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
@@ -86,6 +90,8 @@ async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidReq
                   shaper: Shaper, out: OutputOptions, best_of: int | None = None
                   ) -> web.StreamResponse:
     frontend = ctx.frontend
+    if ctx.force_include_usage and out.stream:
+        out = replace(out, stream_options=StreamOptions(True, True))
     per_prompt = best_of or out.n
     async with aclosing(frontend.generate_choices(reqs, per_prompt, None)) as chunks:
         try:

@@ -51,9 +51,10 @@ def completion_logprobs(lps: Sequence[pb.TokenLogprob], text_of: TokenText, offs
                         top_n: int | None = None) -> dict:
     """The /v1/completions format; `offset` is where the first token's text starts.
 
-    `top_logprobs` holds the sampled token and the top alternatives (as OpenAI's does), keyed
-    by text: alternatives that decode to the same text collapse into one entry. `top_n` caps
-    the alternatives (prompt entries carry as many as the prompt was scored with).
+    `top_logprobs` holds the sampled token first (as vLLM's does: clients read the chosen
+    token as the first key), then the top alternatives, keyed by text: alternatives that
+    decode to the same text collapse into one entry. `top_n` caps the alternatives (prompt
+    entries carry as many as the prompt was scored with).
     """
     tokens = [text_of(lp.token_id) for lp in lps]
     offsets = []
@@ -63,8 +64,9 @@ def completion_logprobs(lps: Sequence[pb.TokenLogprob], text_of: TokenText, offs
     tops = []
     for tok, lp in zip(tokens, lps, strict=True):
         alts = lp.top if top_n is None else lp.top[:top_n]
-        top = {text_of(t.token_id): _finite(t.logprob) for t in alts}
-        top.setdefault(tok, _finite(lp.logprob))
+        top = {tok: _finite(lp.logprob)}
+        for t in alts:
+            top.setdefault(text_of(t.token_id), _finite(t.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
             "top_logprobs": tops, "text_offset": offsets}

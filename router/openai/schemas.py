@@ -41,6 +41,7 @@ MAX_N = 128
 """Most choices (`n`, `best_of`) one request may ask for."""
 MAX_PROMPTS = 256
 """Most prompts in one /v1/completions batch."""
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
 
 # Request fields that go straight into SamplingParams under the same name.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -78,6 +79,9 @@ class ServedModel:
     """The checkpoint the model was loaded from (/v1/models `root`)."""
     aliases: tuple[str, ...] = ()
     """Other names requests may use (vLLM's --served-model-name A B ...)."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Most top logprobs a request may ask for (vLLM's --max-logprobs, at most the
+    engine's MAX_LOGPROBS)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -132,6 +136,21 @@ class OutputOptions:
 
 
 @dataclass(frozen=True)
+class Truncation:
+    """vLLM's `truncate_prompt_tokens` (-1: the model's context) and `truncation_side`."""
+
+    keep: int
+    """Most prompt tokens kept."""
+    left: bool = True
+    """Drop tokens from the start (vLLM's default side), else from the end."""
+
+    def apply(self, ids: list[int]) -> list[int]:
+        if len(ids) <= self.keep:
+            return ids
+        return ids[len(ids) - self.keep:] if self.left else ids[:self.keep]
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
     prompts: tuple[str | tuple[int, ...], ...]
     """One choice group per prompt: text, or token ids."""
@@ -143,8 +162,8 @@ class CompletionRequest:
     best_of: int = 1
     """Candidates per prompt; the `n` with the highest total logprob are returned."""
     add_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
-    """Keep only this many last prompt tokens."""
+    truncation: Truncation | None = None
+    """truncate_prompt_tokens / truncation_side: keep this many of the prompt's tokens."""
     generate: bool = True
     """False: echo with max_tokens 0, the prompt is scored and nothing is generated."""
     max_tokens_explicit: bool = False
@@ -171,6 +190,7 @@ class ChatRequest:
     tools: ToolChoice = NO_TOOLS
     template: TemplateOptions = TemplateOptions()
     max_tokens_explicit: bool = False
+    truncation: Truncation | None = None
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -180,8 +200,8 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
                      ) -> CompletionRequest:
     fields = _fields(body, ignored, "completions", _COMPLETION_FIELDS)
     _check_model(fields, model)
-    out = _output_options(fields)
-    logprobs = f.integer(fields, "logprobs", None, 0, MAX_LOGPROBS)
+    out = _output_options(fields, model.max_logprobs)
+    logprobs = f.integer(fields, "logprobs", None, 0, model.max_logprobs)
     best_of = f.integer(fields, "best_of", out.n, 1, MAX_N)
     if best_of < out.n:
         raise RequestError(f"best_of must be >= n ({out.n}), got {best_of}", "best_of")
@@ -203,21 +223,20 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
     return CompletionRequest(
         prompts, params, out, logprobs, best_of,
         f.boolean(fields, "add_special_tokens", True),
-        f.integer(fields, "truncate_prompt_tokens", None, 1, INT32_MAX), generate,
-        "max_tokens" in fields)
+        truncation(fields, model), generate, "max_tokens" in fields)
 
 
 def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = None,
                ignored: IgnoredFields | None = None) -> ChatRequest:
     fields = _fields(body, ignored, "chat.completions", _CHAT_FIELDS)
     _check_model(fields, model)
-    out = _output_options(fields)
+    out = _output_options(fields, model.max_logprobs)
     messages, extra_keys = parse_messages(fields.get("messages"))
     # The contents bound the rendered prompt's tokens from below, as a text's bytes do.
     check_text("\n".join(_texts(messages)) or " ", model.limits, "messages")
     if ignored is not None and extra_keys:
         ignored.report(extra_keys, "chat message")
-    want_lp, top = _chat_logprobs(fields)
+    want_lp, top = _chat_logprobs(fields, model.max_logprobs)
     tools = parse_tools(fields, tool_config or ToolConfig())
     template = template_options(fields)
     max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
@@ -230,7 +249,7 @@ def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = N
                                "response_format or structured_outputs", "tool_choice")
         params = dataclasses.replace(params, structured=tool_spec)
     return ChatRequest(messages, params, out, want_lp, tools, template,
-                       max_field in fields)
+                       max_field in fields, truncation(fields, model))
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -249,7 +268,12 @@ def parse_json_body(raw: bytes) -> Any:
 def check_prompt_ids(ids: list[int], model: ServedModel, param: str,
                      max_tokens: int | None = None) -> None:
     """Token ids the workers accept (`validation.check_prompt_ids`, as on gRPC), leaving
-    room for `max_tokens` of output when the client set it."""
+    room for `max_tokens` of output when the client set it. The length errors are in
+    vLLM's words (clients match on "maximum context length")."""
+    if len(ids) >= model.max_model_len:
+        raise RequestError(f"This model's maximum context length is {model.max_model_len} "
+                           f"tokens. However, your request has {len(ids)} input tokens. "
+                           "Please reduce the length of the input messages.", param)
     check_ids(ids, model.limits, param)
     if max_tokens is not None and len(ids) + max_tokens > model.max_model_len:
         raise RequestError(f"This model's maximum context length is {model.max_model_len} "
@@ -264,7 +288,7 @@ _COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_option
                      "user", "logit_bias", "seed", "skip_special_tokens", "prompt_logprobs",
                      "return_token_ids", "return_tokens_as_token_ids", "request_id",
                      "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
-                     "truncate_prompt_tokens", *_REFUSED, "echo"})
+                     "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo"})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                           "tools", "tool_choice", "parallel_tool_calls",
@@ -297,7 +321,8 @@ def _check_model(fields: dict[str, Any], model: ServedModel) -> None:
         raise RequestError("user must be a string", "user")
 
 
-def _output_options(fields: dict[str, Any]) -> OutputOptions:
+def _output_options(fields: dict[str, Any], max_logprobs: int = MAX_LOGPROBS
+                    ) -> OutputOptions:
     stream = f.boolean(fields, "stream", False)
     if "stream_options" in fields and not stream:
         raise RequestError("Stream options can only be defined when `stream=True`.",
@@ -314,7 +339,7 @@ def _output_options(fields: dict[str, Any]) -> OutputOptions:
         return_token_ids=f.boolean(fields, "return_token_ids", False),
         tokens_as_ids=f.boolean(fields, "return_tokens_as_token_ids", False),
         skip_special_tokens=f.boolean(fields, "skip_special_tokens", True),
-        prompt_logprobs=f.integer(fields, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+        prompt_logprobs=f.integer(fields, "prompt_logprobs", None, 0, max_logprobs),
         echo=f.boolean(fields, "echo", False), request_id=request_id or None)
 
 
@@ -349,9 +374,9 @@ def _texts(messages: list[dict]) -> list[str]:
     return out
 
 
-def _chat_logprobs(fields: dict[str, Any]) -> tuple[bool, int]:
+def _chat_logprobs(fields: dict[str, Any], max_logprobs: int) -> tuple[bool, int]:
     want = f.boolean(fields, "logprobs", False)
-    top = f.integer(fields, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    top = f.integer(fields, "top_logprobs", 0, 0, max_logprobs)
     if top and not want:
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
     return want, top
@@ -370,8 +395,8 @@ def template_options(fields: dict[str, Any]) -> TemplateOptions:
 
 def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
     """A string, token ids, or a batch: a list of strings or of token-id lists."""
-    if prompt is None:
-        raise RequestError("prompt is required", "prompt")
+    if prompt is None or prompt == [] or prompt == "":
+        raise RequestError(_NO_PROMPT, "prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(f.is_int(t) for t in prompt)):
         items = [prompt]
@@ -386,7 +411,7 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
     for p in items:
         if isinstance(p, str):
             if not p:
-                raise RequestError("prompt must not be empty", "prompt")
+                raise RequestError(_NO_PROMPT, "prompt")
             out.append(p)
         elif p and all(f.is_int(t) for t in p):
             out.append(tuple(p))
@@ -394,6 +419,19 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             raise RequestError("each prompt must be a non-empty string or list of token ids",
                                "prompt")
     return tuple(out)
+
+
+def truncation(fields: dict[str, Any], model: ServedModel) -> Truncation | None:
+    keep = f.integer(fields, "truncate_prompt_tokens", None, -1, INT32_MAX)
+    side = fields.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise RequestError("truncation_side must be 'left' or 'right'", "truncation_side")
+    if keep is None:
+        return None
+    if keep == 0:
+        raise RequestError("truncate_prompt_tokens must be -1 (the model's context) or >= 1",
+                           "truncate_prompt_tokens")
+    return Truncation(model.max_model_len if keep == -1 else keep, side == "left")
 
 
 def _max_opt(a: int | None, b: int | None) -> int | None:

@@ -54,6 +54,13 @@ def test_completion_logprobs_offsets_and_top():
     assert out["top_logprobs"] == [{"llo": -0.25, "he": -0.5}, {"llo": -1.0}]
 
 
+def test_completion_top_logprobs_start_with_the_chosen_token():
+    # vLLM's clients read the chosen token as the first key, also when it is not the top.
+    out = completion_logprobs([lp(7, -2.0, (5, -0.1), (6, -0.2))], text_of, 0, top_n=2)
+    assert list(out["top_logprobs"][0]) == [" wé", "he", "llo"]
+    assert out["top_logprobs"][0][" wé"] == -2.0
+
+
 def test_chat_logprobs_carry_bytes_and_alternatives():
     out = chat_logprobs([lp(7, -0.125, (8, -2.0))], text_of)
     assert out == {"refusal": None, "content": [{
