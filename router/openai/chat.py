@@ -63,7 +63,7 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
                         token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids), req, ids,
                         lambda: output_parser(req.tools, ctx.tools), ctx.prompt_tokens_details)
     valid = ValidRequest(rid, ids, req.params, req.out.skip_special_tokens)
-    return await respond(request, ctx, [valid], shaper, req.out)
+    return await respond(request, ctx, [valid], shaper, req.out, beam=req.beam)
 
 
 def encode_chat(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:

@@ -53,7 +53,7 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
     shaper = CompletionShaper(rid, int(time.time()), ctx.model.id, text_of, req, views,
                               ctx.prompt_tokens_details)
-    return await respond(request, ctx, valid, shaper, req.out, req.best_of)
+    return await respond(request, ctx, valid, shaper, req.out, req.best_of, req.beam)
 
 
 def response_id(prefix: str, client_id: str | None) -> str:

@@ -1,6 +1,7 @@
 """Run one validated request (one prompt or a batch, each with one or more choices) through
 the frontend and answer it as JSON or as an SSE stream.
 
+    the choices' chunks: the frontend's flows, or a beam search's (`beam_search.py`)
     admission (first chunk) ─► refused: 429 + Retry-After
                   ─► first chunk ─┬─ not streaming: collect every choice ─► one JSON body
                                   │  (best_of > n: the n with the highest total logprob)
@@ -28,10 +29,17 @@ from aiohttp import web
 from router.flow import FlowError
 from router.frontend import Frontend, OutputChunk, Overloaded, Usage, UsageTotal
 from router.openai import sse
+from router.openai.beam_search import beam_chunks
 from router.openai.body import BodyLimits
 from router.openai.errors import ApiError, from_status, too_many_requests
 from router.openai.responses import joined
-from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel, StreamOptions
+from router.openai.schemas import (
+    BeamOptions,
+    IgnoredFields,
+    OutputOptions,
+    ServedModel,
+    StreamOptions,
+)
 from router.openai.tools import ToolConfig
 from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
@@ -87,13 +95,15 @@ class Shaper(Protocol):
 
 
 async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidRequest],
-                  shaper: Shaper, out: OutputOptions, best_of: int | None = None
-                  ) -> web.StreamResponse:
+                  shaper: Shaper, out: OutputOptions, best_of: int | None = None,
+                  beam: BeamOptions | None = None) -> web.StreamResponse:
     frontend = ctx.frontend
     if ctx.force_include_usage and out.stream:
         out = replace(out, stream_options=StreamOptions(True, True))
-    per_prompt = best_of or out.n
-    async with aclosing(frontend.generate_choices(reqs, per_prompt, None)) as chunks:
+    per_prompt = out.n if beam is not None else best_of or out.n
+    source = frontend.generate_choices(reqs, per_prompt, None) if beam is None else \
+        beam_chunks(frontend, reqs, beam, ctx.model.max_model_len)
+    async with aclosing(source) as chunks:
         try:
             chunk = await _next(chunks)
             if not out.stream:

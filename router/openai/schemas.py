@@ -5,8 +5,8 @@ Tolerant where vLLM is, strict where it matters:
 - a field this server does not know is accepted and ignored; the handler logs its name once
   (`IgnoredFields`), as vLLM warns about the fields it drops;
 - known fields keep their type and range checks, each failure a `RequestError` naming the
-  field (HTTP 400); a known field whose meaning cannot be honoured (beam search, a request
-  chat template, non-text content) is refused rather than silently ignored;
+  field (HTTP 400); a known field whose meaning cannot be honoured (a request chat template,
+  non-text content) is refused rather than silently ignored;
 - vLLM's extras are accepted and honoured: sampling knobs (`top_k`, `min_p`,
   `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...), output knobs
   (`skip_special_tokens`, `return_token_ids`, `return_tokens_as_token_ids`,
@@ -39,6 +39,8 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
 MAX_N = 128
 """Most choices (`n`, `best_of`) one request may ask for."""
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+"""Widest beam search: each step asks for 2 x width logprobs (as vLLM does)."""
 MAX_PROMPTS = 256
 """Most prompts in one /v1/completions batch."""
 _NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
@@ -49,12 +51,11 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
              "include_stop_str_in_output")
 # Known fields whose values cannot be honoured here: refused when set to anything but these.
 _REFUSED = {
-    "use_beam_search": (False,), "logits_processors": ([],), "bad_words": ([],),
+    "logits_processors": ([],), "bad_words": ([],),
     "allowed_token_ids": ([],), "prompt_embeds": ([],), "suffix": ("",),
     "chat_template": ("",), "functions": ([],), "function_call": ("none",),
 }
 _REFUSED_WHY = {
-    "use_beam_search": "beam search is not supported (sample with n / best_of instead)",
     "functions": "functions are deprecated: send tools instead",
     "function_call": "function_call is deprecated: send tool_choice instead",
     "chat_template": "a chat template per request is not accepted; the server's (from the "
@@ -136,6 +137,16 @@ class OutputOptions:
 
 
 @dataclass(frozen=True)
+class BeamOptions:
+    """vLLM's `use_beam_search` (run by `beam_search.py`)."""
+
+    width: int
+    """Beams kept each step, and choices returned (the request's `n`)."""
+    length_penalty: float = 1.0
+    """Scores divide by length ** length_penalty: above 1 favours longer outputs."""
+
+
+@dataclass(frozen=True)
 class Truncation:
     """vLLM's `truncate_prompt_tokens` (-1: the model's context) and `truncation_side`."""
 
@@ -167,6 +178,8 @@ class CompletionRequest:
     generate: bool = True
     """False: echo with max_tokens 0, the prompt is scored and nothing is generated."""
     max_tokens_explicit: bool = False
+    beam: BeamOptions | None = None
+    """use_beam_search: the n choices are the n best beams (best_of is not used)."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +204,7 @@ class ChatRequest:
     template: TemplateOptions = TemplateOptions()
     max_tokens_explicit: bool = False
     truncation: Truncation | None = None
+    beam: BeamOptions | None = None
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -202,7 +216,8 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
     _check_model(fields, model)
     out = _output_options(fields, model.max_logprobs)
     logprobs = f.integer(fields, "logprobs", None, 0, model.max_logprobs)
-    best_of = f.integer(fields, "best_of", out.n, 1, MAX_N)
+    beam = _beam_options(fields, out)
+    best_of = out.n if beam else f.integer(fields, "best_of", out.n, 1, MAX_N)
     if best_of < out.n:
         raise RequestError(f"best_of must be >= n ({out.n}), got {best_of}", "best_of")
     if best_of > out.n and out.stream:
@@ -223,7 +238,8 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
     return CompletionRequest(
         prompts, params, out, logprobs, best_of,
         f.boolean(fields, "add_special_tokens", True),
-        truncation(fields, model), generate, "max_tokens" in fields)
+        truncation(fields, model), generate, "max_tokens" in fields,
+        _checked_beam(beam, params, generate))
 
 
 def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = None,
@@ -249,7 +265,8 @@ def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = N
                                "response_format or structured_outputs", "tool_choice")
         params = dataclasses.replace(params, structured=tool_spec)
     return ChatRequest(messages, params, out, want_lp, tools, template,
-                       max_field in fields, truncation(fields, model))
+                       max_field in fields, truncation(fields, model),
+                       _checked_beam(_beam_options(fields, out), params, True))
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -288,7 +305,8 @@ _COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_option
                      "user", "logit_bias", "seed", "skip_special_tokens", "prompt_logprobs",
                      "return_token_ids", "return_tokens_as_token_ids", "request_id",
                      "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
-                     "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo"})
+                     "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo",
+                     "use_beam_search", "length_penalty"})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                           "tools", "tool_choice", "parallel_tool_calls",
@@ -419,6 +437,28 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             raise RequestError("each prompt must be a non-empty string or list of token ids",
                                "prompt")
     return tuple(out)
+
+
+def _beam_options(fields: dict[str, Any], out: OutputOptions) -> BeamOptions | None:
+    if not f.boolean(fields, "use_beam_search", False):
+        return None
+    if out.n > MAX_BEAM_WIDTH:
+        raise RequestError(f"use_beam_search takes n <= {MAX_BEAM_WIDTH} (the beam width), "
+                           f"got {out.n}", "n")
+    penalty = f.number(fields, "length_penalty")
+    return BeamOptions(out.n, 1.0 if penalty is None else penalty)
+
+
+def _checked_beam(beam: BeamOptions | None, params: SamplingParams, generate: bool
+                  ) -> BeamOptions | None:
+    if beam is None:
+        return None
+    if params.structured is not None:
+        raise RequestError("use_beam_search cannot be combined with structured outputs or "
+                           "a required / named tool call", "use_beam_search")
+    if not generate:
+        raise RequestError("use_beam_search needs max_tokens >= 1", "max_tokens")
+    return beam
 
 
 def truncation(fields: dict[str, Any], model: ServedModel) -> Truncation | None:

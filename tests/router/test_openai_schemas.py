@@ -112,7 +112,8 @@ def test_missing_prompt_is_an_error():
     ({"stream": "yes"}, "stream"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "n": 11}, "n"),
+    ({"use_beam_search": True, "structured_outputs": {"regex": "a+"}}, "use_beam_search"),
     ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_fields_are_named(fields, param):
