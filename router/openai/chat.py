@@ -20,7 +20,7 @@ from router.openai import constraints
 from router.openai.body import read_json
 from router.openai.completions import response_id
 from router.openai.errors import RequestError
-from router.openai.generation import ApiContext, respond, tokenize
+from router.openai.generation import ApiContext, respond, tokenize, with_bad_words
 from router.openai.responses import (
     TokenText,
     chat_logprobs,
@@ -62,7 +62,8 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     shaper = ChatShaper(rid, int(time.time()), ctx.model.id,
                         token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids), req, ids,
                         lambda: output_parser(req.tools, ctx.tools), ctx.prompt_tokens_details)
-    valid = ValidRequest(rid, ids, req.params, req.out.skip_special_tokens)
+    params = await with_bad_words(ctx, req.params, req.bad_words)
+    valid = ValidRequest(rid, ids, params, req.out.skip_special_tokens)
     return await respond(request, ctx, [valid], shaper, req.out, beam=req.beam)
 
 

@@ -16,7 +16,7 @@ from pdserve.tokenizer import Tokenizer
 from router.frontend import OutputChunk, Usage
 from router.openai import constraints
 from router.openai.body import read_json
-from router.openai.generation import ApiContext, respond, tokenize
+from router.openai.generation import ApiContext, respond, tokenize, with_bad_words
 from router.openai.responses import (
     TokenText,
     completion_logprobs,
@@ -49,7 +49,8 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     for v in views:
         check_prompt_ids(v.ids, ctx.model, "prompt", explicit)
     rid = response_id("cmpl", req.out.request_id)
-    valid = [ValidRequest(rid, v.ids, req.params, req.out.skip_special_tokens) for v in views]
+    params = await with_bad_words(ctx, req.params, req.bad_words)
+    valid = [ValidRequest(rid, v.ids, params, req.out.skip_special_tokens) for v in views]
     text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
     shaper = CompletionShaper(rid, int(time.time()), ctx.model.id, text_of, req, views,
                               ctx.prompt_tokens_details)

@@ -26,6 +26,8 @@ from typing import Protocol, TypeVar
 import grpc
 from aiohttp import web
 
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
 from router.flow import FlowError
 from router.frontend import Frontend, OutputChunk, Overloaded, Usage, UsageTotal
 from router.openai import sse
@@ -73,6 +75,30 @@ async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
         return await ctx.frontend.tokens.run(fn, *args)
     except TokenizerBusy as exc:
         raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]
+                        ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word as it starts a text, and also after a
+    space where that spells it with other tokens of the same count (a word mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+async def with_bad_words(ctx: ApiContext, params: SamplingParams, words: Sequence[str]
+                         ) -> SamplingParams:
+    """`params` with the request's bad_words as token sequences (tokenized off the loop)."""
+    if not words:
+        return params
+    seqs = await tokenize(ctx, bad_words_token_ids, ctx.frontend.tokenizer, words)
+    return replace(params, bad_words_token_ids=seqs)
 
 
 class Shaper(Protocol):

@@ -32,13 +32,21 @@ from router.openai import fields as f
 from router.openai.errors import RequestError, model_not_found
 from router.openai.messages import parse_messages
 from router.openai.tools import NO_TOOLS, ToolChoice, ToolConfig, constraint, parse_tools
-from router.validation import INT32_MAX, RequestLimits, check_params, check_text
+from router.validation import (
+    INT32_MAX,
+    MAX_STOP_BYTES,
+    RequestLimits,
+    check_params,
+    check_text,
+)
 from router.validation import check_prompt_ids as check_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
 MAX_N = 128
 """Most choices (`n`, `best_of`) one request may ask for."""
+MAX_BAD_WORDS = 256
+"""Most bad_words one request may ban."""
 MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
 """Widest beam search: each step asks for 2 x width logprobs (as vLLM does)."""
 MAX_PROMPTS = 256
@@ -51,8 +59,7 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
              "include_stop_str_in_output")
 # Known fields whose values cannot be honoured here: refused when set to anything but these.
 _REFUSED = {
-    "logits_processors": ([],), "bad_words": ([],),
-    "allowed_token_ids": ([],), "prompt_embeds": ([],), "suffix": ("",),
+    "logits_processors": ([],), "prompt_embeds": ([],), "suffix": ("",),
     "chat_template": ("",), "functions": ([],), "function_call": ("none",),
 }
 _REFUSED_WHY = {
@@ -180,6 +187,8 @@ class CompletionRequest:
     max_tokens_explicit: bool = False
     beam: BeamOptions | None = None
     """use_beam_search: the n choices are the n best beams (best_of is not used)."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's bad_words, tokenized by the handler into `params.bad_words_token_ids`."""
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,7 @@ class ChatRequest:
     max_tokens_explicit: bool = False
     truncation: Truncation | None = None
     beam: BeamOptions | None = None
+    bad_words: tuple[str, ...] = ()
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -239,7 +249,7 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
         prompts, params, out, logprobs, best_of,
         f.boolean(fields, "add_special_tokens", True),
         truncation(fields, model), generate, "max_tokens" in fields,
-        _checked_beam(beam, params, generate))
+        _checked_beam(beam, params, generate), _bad_words(fields))
 
 
 def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = None,
@@ -266,7 +276,8 @@ def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = N
         params = dataclasses.replace(params, structured=tool_spec)
     return ChatRequest(messages, params, out, want_lp, tools, template,
                        max_field in fields, truncation(fields, model),
-                       _checked_beam(_beam_options(fields, out), params, True))
+                       _checked_beam(_beam_options(fields, out), params, True),
+                       _bad_words(fields))
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -306,7 +317,7 @@ _COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_option
                      "return_token_ids", "return_tokens_as_token_ids", "request_id",
                      "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
                      "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo",
-                     "use_beam_search", "length_penalty"})
+                     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words"})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                           "tools", "tool_choice", "parallel_tool_calls",
@@ -364,6 +375,8 @@ def _output_options(fields: dict[str, Any], max_logprobs: int = MAX_LOGPROBS
 def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_tokens: Any,
               logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
+    if "allowed_token_ids" in fields:
+        kwargs["allowed_token_ids"] = _allowed_token_ids(fields["allowed_token_ids"])
     try:
         params = SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, seed=f.seed(fields),
@@ -437,6 +450,25 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             raise RequestError("each prompt must be a non-empty string or list of token ids",
                                "prompt")
     return tuple(out)
+
+
+def _allowed_token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(f.is_int(t) for t in value):
+        raise RequestError("allowed_token_ids must be a list of token ids",
+                           "allowed_token_ids")
+    if not value:
+        raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+    return tuple(value)
+
+
+def _bad_words(fields: dict[str, Any]) -> tuple[str, ...]:
+    words = fields.get("bad_words", [])
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise RequestError("bad_words must be a list of strings", "bad_words")
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_BYTES for w in words):
+        raise RequestError(f"bad_words takes at most {MAX_BAD_WORDS} words of at most "
+                           f"{MAX_STOP_BYTES} characters", "bad_words")
+    return tuple(w for w in words if w.strip())
 
 
 def _beam_options(fields: dict[str, Any], out: OutputOptions) -> BeamOptions | None:

@@ -348,3 +348,25 @@ def test_max_logprobs_lowers_the_logprob_limits():
             parse_completion(body, model)
     with pytest.raises(RequestError, match="less than or equal to 2"):
         parse_chat({"messages": USER, "logprobs": True, "top_logprobs": 3}, model)
+
+
+def test_allowed_token_ids_and_bad_words_are_read_and_checked():
+    req = completion(allowed_token_ids=[1, 2], bad_words=["foo", " "])
+    assert req.params.allowed_token_ids == (1, 2) and req.bad_words == ("foo",)
+    assert chat(bad_words=["x"]).bad_words == ("x",)
+    for fields in ({"allowed_token_ids": []}, {"allowed_token_ids": [600]},
+                   {"allowed_token_ids": "1"}):
+        assert param_of(completion, **fields) == "allowed_token_ids"
+    assert param_of(completion, bad_words=[1]) == "bad_words"
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tmp_path):
+    from pdserve.demo_model import write_tokenizer_files
+    from pdserve.tokenizer import Tokenizer
+    from router.openai.generation import bad_words_token_ids
+
+    tok = Tokenizer.from_pretrained(write_tokenizer_files(tmp_path, 512))
+    seqs = bad_words_token_ids(tok, ["hello"])
+    assert seqs[0] == tuple(tok.encode("hello", add_special_tokens=False))
+    for seq in seqs[1:]:  # the mid-text spelling, when it differs
+        assert seq == tuple(tok.encode(" hello", add_special_tokens=False))
