@@ -92,10 +92,14 @@ async def beam_chunks(frontend: Frontend, reqs: Sequence[ValidRequest], options:
     """Every prompt's beam search (the prompts concurrently); prompt i's beam j is choice
     i * width + j, yielded once whole. Raises what the frontend raises (`FlowError`,
     `Overloaded`) before any choice is yielded."""
-    results = await asyncio.gather(*(_search(frontend, r, options, max_model_len)
-                                     for r in reqs))
-    for i, (req, beams) in enumerate(zip(reqs, results, strict=True)):
-        for j, beam in enumerate(beams):
+    try:  # one search failing cancels the others (their flows free the workers' blocks)
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(_search(frontend, r, options, max_model_len))
+                     for r in reqs]
+    except ExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+    for i, (req, task) in enumerate(zip(reqs, tasks, strict=True)):
+        for j, beam in enumerate(task.result()):
             yield _chunk(frontend, req, beam, i * options.width + j)
 
 
