@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pb
+from router.frontend import OutputChunk, Usage
 from router.openai.beam_search import Beam, BeamSearch
 from router.openai.schemas import BeamOptions, parse_chat, parse_completion
 from tests.router.test_openai_schemas import MODEL, USER
@@ -65,3 +67,56 @@ def test_use_beam_search_takes_n_as_the_width_on_both_endpoints():
     assert parse_chat({"messages": USER, "n": 2, "use_beam_search": True}, MODEL).beam == \
         BeamOptions(2)
     assert parse_completion({"prompt": "hi"}, MODEL).beam is None
+
+
+class _Tokens:
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(f"<{t}>" for t in ids)
+
+
+class _Rules:
+    eos_token_ids = frozenset({EOS})
+
+
+class _Frontend:
+    """One token per request: after token t the model offers t+1 (likely), EOS, then t+2."""
+
+    tokenizer = _Tokens()
+    rules = _Rules()
+
+    def __init__(self):
+        self.calls = []
+
+    async def generate_choices(self, reqs, n, timeout_s):
+        self.calls.append([list(r.prompt_token_ids) for r in reqs])
+        for i, r in enumerate(reqs):
+            last = r.prompt_token_ids[-1]
+            assert (r.params.max_tokens, r.params.logprobs, n) == (1, 4, 1)
+            yield OutputChunk([last + 1], "", [offered((last + 1, -0.1), (last + 1, -0.1),
+                                                       (EOS, -1.0), (last + 2, -3.0))],
+                              index=i)
+
+
+def test_the_driver_asks_one_token_per_live_beam_and_answers_whole_choices():
+    import asyncio
+
+    from router.openai.beam_search import beam_chunks
+    from router.validation import ValidRequest
+
+    fe = _Frontend()
+    req = ValidRequest("r", [10], SamplingParams(max_tokens=3, temperature=0.0))
+
+    async def run():
+        return [c async for c in beam_chunks(fe, [req, req], BeamOptions(2), 64)]
+
+    chunks = asyncio.run(run())
+    assert [c.index for c in chunks] == [0, 1, 2, 3]
+    best, second = chunks[0], chunks[1]
+    assert best.token_ids == [11, 12, 13] and best.text == "<11><12><13>"
+    assert best.finish_reason == "length" and best.usage == Usage(1, 3, 0)
+    # An EOS beam: its EOS is in token_ids, not in the text; its score (the EOS not
+    # counted in its length) beats the live beams that fell behind.
+    assert second.token_ids == [11, 12, EOS] and second.text == "<11><12>"
+    assert second.finish_reason == "stop"
+    # 3 steps for each prompt: one beam to start from, then the two live ones.
+    assert sorted(len(batch) for batch in fe.calls) == [1, 1, 2, 2, 2, 2]
