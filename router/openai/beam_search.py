@@ -26,6 +26,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pdserve.engine.finish import FinishReason
+from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.proto import pb
 from router.frontend import Frontend, OutputChunk, Usage
 from router.openai.schemas import BeamOptions
@@ -113,7 +114,7 @@ async def _search(frontend: Frontend, req: ValidRequest, options: BeamOptions,
     # One token per step, greedy (only its logprobs matter), the engine's own stops off.
     step = dataclasses.replace(p, max_tokens=1, min_tokens=0, temperature=0.0, seed=None,
                                stop=(), stop_token_ids=(), ignore_eos=True,
-                               logprobs=min(max(2 * options.width, top_n), 20),
+                               logprobs=min(max(2 * options.width, top_n), MAX_LOGPROBS),
                                prompt_logprobs=None, include_stop_str_in_output=False)
     steps = min(p.max_tokens, max_model_len - len(req.prompt_token_ids))
     for _ in range(steps):
