@@ -49,6 +49,14 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     req = parse_chat(await read_json(request, ctx.body), ctx.model, ctx.tools, ctx.ignored)
     if req.params.structured is not None:
         await constraints.check(req.params.structured)
+    rid = response_id("chatcmpl", req.out.request_id)
+    valid, shaper = await prepare(ctx, req, rid, int(time.time()))
+    return await respond(request, ctx, [valid], shaper, req.out, beam=req.beam)
+
+
+async def prepare(ctx: ApiContext, req: ChatRequest, rid: str, created: int
+                  ) -> tuple[ValidRequest, ChatShaper]:
+    """The conversation rendered, tokenized and checked, and the shaper of its answer."""
     tokenizer = ctx.frontend.tokenizer
     try:
         ids = await tokenize(ctx, encode_chat, tokenizer, req)
@@ -58,13 +66,11 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
         ids = req.truncation.apply(ids)
     explicit = req.params.max_tokens if req.max_tokens_explicit else None
     check_prompt_ids(ids, ctx.model, "messages", explicit)
-    rid = response_id("chatcmpl", req.out.request_id)
-    shaper = ChatShaper(rid, int(time.time()), ctx.model.id,
-                        token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids), req, ids,
+    text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
+    shaper = ChatShaper(rid, created, ctx.model.id, text_of, req, ids,
                         lambda: output_parser(req.tools, ctx.tools), ctx.prompt_tokens_details)
     params = await with_bad_words(ctx, req.params, req.bad_words)
-    valid = ValidRequest(rid, ids, params, req.out.skip_special_tokens)
-    return await respond(request, ctx, [valid], shaper, req.out, beam=req.beam)
+    return ValidRequest(rid, ids, params, req.out.skip_special_tokens), shaper
 
 
 def encode_chat(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
@@ -132,6 +138,10 @@ class ChatShaper:
         if out.return_token_ids:
             body["prompt_token_ids"] = list(self._prompt_ids)
         return body
+
+    def choice(self, c: OutputChunk) -> dict:
+        """One choice of the non-streaming response."""
+        return self._choice(c)
 
     def _choice(self, c: OutputChunk) -> dict:
         parser = self._make_parser()

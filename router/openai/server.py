@@ -17,6 +17,7 @@ response); a body not all there within `body_timeout_s` of the headers is a 408
     GET  /v1/models[/{model}]
     POST /v1/completions
     POST /v1/chat/completions
+    POST /v1/chat/completions/batch   vLLM's: one choice per conversation (chat_batch.py)
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints (info.py)
     GET  /version, /load, /ping, /tokenizer_info;  POST /invocations (SageMaker)
 """
@@ -36,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
-from router.openai import chat, completions, info, sse
+from router.openai import chat, chat_batch, completions, info, sse
 from router.openai.body import BodyLimits
 from router.openai.connection import connection_protocol
 from router.openai.errors import (
@@ -127,15 +128,16 @@ class OpenAIServer:
         return app
 
     def _routes(self) -> list[tuple[str, str, Callable]]:
-        ctx = functools.partial
+        bind = functools.partial
         routes = [("GET", "/health", self._health), ("GET", "/v1/models", self._models),
                   ("GET", "/v1/models/{model}", self._model),
                   ("POST", "/v1/completions", self._completions),
                   ("POST", "/v1/chat/completions", self._chat),
-                  ("POST", "/tokenize", ctx(info.tokenize, ctx=self.ctx)),
-                  ("POST", "/detokenize", ctx(info.detokenize, ctx=self.ctx)),
-                  ("GET", "/tokenizer_info", ctx(info.tokenizer_info, ctx=self.ctx)),
-                  ("POST", "/invocations", ctx(info.invocations, ctx=self.ctx)),
+                  ("POST", "/v1/chat/completions/batch", bind(chat_batch.handle, ctx=self.ctx)),
+                  ("POST", "/tokenize", bind(info.tokenize, ctx=self.ctx)),
+                  ("POST", "/detokenize", bind(info.detokenize, ctx=self.ctx)),
+                  ("GET", "/tokenizer_info", bind(info.tokenizer_info, ctx=self.ctx)),
+                  ("POST", "/invocations", bind(info.invocations, ctx=self.ctx)),
                   ("GET", "/load", self._load), ("GET", "/version", self._version),
                   ("GET", "/ping", self._health), ("POST", "/ping", self._health)]
         if self.metrics is not None:

@@ -1,5 +1,6 @@
 """vLLM's server flags over the scripted frontend: --root-path, --enable-force-include-usage,
---return-tokens-as-token-ids, and the API keys the router takes from its environment."""
+--return-tokens-as-token-ids, the API keys the router takes from its environment; and vLLM's
+batched chat endpoint."""
 
 from __future__ import annotations
 
@@ -53,3 +54,21 @@ def test_api_keys_come_from_pdserves_and_vllms_variables():
     assert api_tokens({}) == ()
     assert api_tokens({"VLLM_API_KEY": "v"}) == ("v",)
     assert api_tokens({"PDSERVE_AUTH_TOKENS": "a,b", "VLLM_API_KEY": "a"}) == ("a", "b")
+
+
+def test_batched_chat_answers_one_choice_per_conversation(tokenizer):  # noqa: F811
+    convs = [[{"role": "user", "content": "alpha"}], [{"role": "user", "content": "beta"}]]
+    body = {"model": "tiny", "messages": convs, "max_tokens": 2}
+    (status, out, _), fe = serve(tokenizer, scenario=lambda s, u, f: post(
+        s, f"{u}/v1/chat/completions/batch", body))
+    assert status == 200 and out["object"] == "chat.completion"
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert [c["message"]["content"] for c in out["choices"]] == ["hello", "hello"]
+    assert out["usage"]["prompt_tokens"] == 6  # each conversation's prompt counted once
+    assert [r.prompt_token_ids for r in fe.requests] == [tokenizer.encode_chat(c)
+                                                         for c in convs]
+    for bad in ({**body, "stream": True}, {**body, "messages": [[]]}, {**body, "n": 2},
+                {**body, "messages": "hi"}):
+        (status, err, _), _ = serve(tokenizer, scenario=lambda s, u, f, b=bad: post(
+            s, f"{u}/v1/chat/completions/batch", b))
+        assert status == 400, bad
