@@ -30,6 +30,7 @@ from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.openai import constraints
 from router.openai import fields as f
 from router.openai.errors import RequestError, model_not_found
+from router.openai.fields import INT64_MAX, INT64_MIN
 from router.openai.messages import parse_messages
 from router.openai.tools import NO_TOOLS, ToolChoice, ToolConfig, constraint, parse_tools
 from router.validation import (
@@ -317,7 +318,8 @@ _COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_option
                      "return_token_ids", "return_tokens_as_token_ids", "request_id",
                      "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
                      "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo",
-                     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words"})
+                     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+                     "priority"})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                           "tools", "tool_choice", "parallel_tool_calls",
@@ -361,6 +363,10 @@ def _output_options(fields: dict[str, Any], max_logprobs: int = MAX_LOGPROBS
         if opts.get(key) is not None and not isinstance(opts[key], bool):
             raise RequestError(f"stream_options.{key} must be a boolean", "stream_options")
     request_id = f.string(fields, "request_id")
+    priority = f.integer(fields, "priority", 0, INT64_MIN, INT64_MAX)
+    if priority:  # vLLM's answer without --scheduling-policy priority (pdserve has none)
+        raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                           "priority")
     return OutputOptions(
         n=f.integer(fields, "n", 1, 1, MAX_N), stream=stream,
         stream_options=StreamOptions(bool(opts.get("include_usage")),

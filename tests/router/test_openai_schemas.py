@@ -370,3 +370,10 @@ def test_bad_words_are_tokenized_as_vllm_does(tmp_path):
     assert seqs[0] == tuple(tok.encode("hello", add_special_tokens=False))
     for seq in seqs[1:]:  # the mid-text spelling, when it differs
         assert seq == tuple(tok.encode(" hello", add_special_tokens=False))
+
+
+def test_priority_zero_is_fcfs_and_any_other_is_vllms_400():
+    completion(priority=0)
+    with pytest.raises(RequestError, match="Priority scheduling is not enabled") as err:
+        chat(priority=5)
+    assert err.value.param == "priority"
