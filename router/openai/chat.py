@@ -117,6 +117,8 @@ class ChatShaper:
         if calls:
             delta["tool_calls"] = calls
         ev = self._chunk(delta, c.index, self._lp(c) if c.logprobs else None, finish)
+        if finish is not None:  # the choice's last chunk names what stopped it (vLLM's)
+            ev["choices"][0]["stop_reason"] = c.stop_reason
         if self._req.out.return_token_ids:
             ev["choices"][0]["token_ids"] = list(c.token_ids)
         return ev
@@ -166,7 +168,7 @@ class ChatShaper:
         if calls and self._req.tools.mode is not ToolMode.NAMED and finish == "stop":
             finish = "tool_calls"
         choice = {"index": c.index, "message": message, "logprobs": self._lp(c),
-                  "finish_reason": finish, "stop_reason": None}
+                  "finish_reason": finish, "stop_reason": c.stop_reason}
         if self._req.out.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice

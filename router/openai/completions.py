@@ -135,7 +135,8 @@ class CompletionShaper:
             if lp["tokens"]:
                 self._offset[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         choice = {"index": c.index, "text": (view.text if echo else "") + text, "logprobs": lp,
-                  "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None}
+                  "finish_reason": finish, "stop_reason": c.stop_reason,
+                  "prompt_logprobs": None}
         if first and r.out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(
                 c.prompt_logprobs or [], self._text_of, r.out.prompt_logprobs)

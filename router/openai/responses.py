@@ -120,7 +120,7 @@ def joined(chunks: Sequence[OutputChunk]) -> OutputChunk:
     first_plp = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs), None)
     return OutputChunk([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
                        [lp for c in chunks for lp in c.logprobs], last.finish_reason, last.usage,
-                       last.index, first_plp)
+                       last.index, first_plp, last.stop_reason)
 
 
 def _chat_entry(token: str, logprob: float) -> dict:
