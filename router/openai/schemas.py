@@ -381,6 +381,10 @@ def _output_options(fields: dict[str, Any], max_logprobs: int = MAX_LOGPROBS
 def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_tokens: Any,
               logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
+    if f.is_int(max_tokens) and max_tokens > model.max_model_len:  # vLLM's words
+        raise RequestError(f"'max_tokens' or 'max_completion_tokens' is too large: "
+                           f"{max_tokens}. This model's maximum context length is "
+                           f"{model.max_model_len} tokens.", max_field)
     if "allowed_token_ids" in fields:
         kwargs["allowed_token_ids"] = _allowed_token_ids(fields["allowed_token_ids"])
     try:

@@ -377,3 +377,11 @@ def test_priority_zero_is_fcfs_and_any_other_is_vllms_400():
     with pytest.raises(RequestError, match="Priority scheduling is not enabled") as err:
         chat(priority=5)
     assert err.value.param == "priority"
+
+
+def test_max_tokens_beyond_the_context_is_vllms_message():
+    for fn, field in ((completion, "max_tokens"), (chat, "max_completion_tokens")):
+        with pytest.raises(RequestError, match="is too large: 129. This model's maximum "
+                                               "context length is 128 tokens") as err:
+            fn(**{field: 129})
+        assert err.value.param == field
