@@ -268,8 +268,9 @@ class _Choice:
         """The request's own stop token that ended it (EOS is no stop_reason, as in vLLM)."""
         eos = self.frontend.rules.eos_token_ids if self.frontend.rules is not None else ()
         t = self.last_token
-        if reason == FinishReason.STOP and t in self.params.stop_token_ids and t not in eos \
-                and not self.params.ignore_eos:
+        p = self.params
+        if reason == FinishReason.STOP and t in p.stop_token_ids and (p.ignore_eos
+                                                                      or t not in eos):
             return t
         return None
 
