@@ -113,7 +113,9 @@ class ChatShaper:
         finish = self._finish(c.finish_reason, stream)
         if not (content or calls or c.logprobs or finish is not None or c.token_ids):
             return None
-        delta: dict = {"content": content} if content else {}
+        # Content is a string on every delta without calls, "" included (vLLM's: clients
+        # concatenate it unchecked).
+        delta: dict = {"content": content} if content or not calls else {}
         if calls:
             delta["tool_calls"] = calls
         ev = self._chunk(delta, c.index, self._lp(c) if c.logprobs else None, finish)
@@ -133,6 +135,7 @@ class ChatShaper:
         out = self._req.out
         body = {**self._base("chat.completion"), "choices": [self._choice(c) for c in choices],
                 "usage": self.usage(usage), "system_fingerprint": None,
+                "service_tier": None, "metadata": None, "moderation": None,
                 "prompt_logprobs": None}
         if out.prompt_logprobs is not None and choices:
             body["prompt_logprobs"] = prompt_logprobs_json(
@@ -160,10 +163,11 @@ class ChatShaper:
             elif calls:
                 text = self._echo + parsed.content
                 content = text if text.strip() else None
+        # Every field of OpenAI's message, as vLLM answers (clients compare whole objects);
+        # no call is a null `tool_calls`, never an empty list.
         message = {"role": "assistant", "content": content, "refusal": None,
-                   "reasoning_content": None}
-        if calls:  # absent otherwise, as vLLM and OpenAI answer
-            message["tool_calls"] = calls
+                   "annotations": None, "audio": None, "function_call": None,
+                   "tool_calls": calls or None, "reasoning_content": None}
         finish = c.finish_reason
         if calls and self._req.tools.mode is not ToolMode.NAMED and finish == "stop":
             finish = "tool_calls"

@@ -178,7 +178,8 @@ def test_chat_body_shape_with_logprobs():
     assert body["object"] == "chat.completion"
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "he", "refusal": None,
-                                 "reasoning_content": None}
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "tool_calls": None, "reasoning_content": None}
     assert choice["finish_reason"] == "length"
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["he"]
     assert body["usage"]["prompt_tokens"] == 4
@@ -198,7 +199,7 @@ def test_a_required_tool_call_becomes_tool_calls():
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
     cut = s.body([OutputChunk([5], out[:30], [], "length", Usage(1, 1, 0))], Usage(1, 1, 0))
-    assert "tool_calls" not in cut["choices"][0]["message"]  # cut short: no call
+    assert cut["choices"][0]["message"]["tool_calls"] is None  # cut short: no call
     assert cut["choices"][0]["message"]["content"] == ""
 
 
