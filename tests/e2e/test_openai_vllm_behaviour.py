@@ -1,7 +1,9 @@
 """vLLM's OpenAI-server behaviour where pdserve had differed, with the official `openai` client
 against `pdserve up` on the real default model (the session's shared server,
 tests/e2e/conftest.py): beam search, the chosen token first in completion logprobs,
-truncation sides, vLLM's error messages, --root-path. Short outputs: this file is lean."""
+truncation sides, vLLM's error messages, --root-path, allowed_token_ids and bad_words (with
+speculation on), stop_reason, string delta contents, the batched chat endpoint. Short
+outputs: this file is lean (about 10 s beside the shared server's start)."""
 
 from __future__ import annotations
 
@@ -92,3 +94,41 @@ def test_root_path_serves_the_api_under_its_prefix(real_openai_server):
                        api_key="unused", max_retries=0, timeout=120) as client:
         out = client.completions.create(model=MODEL_ID, prompt="Hi", max_tokens=2)
     assert out.usage.completion_tokens == 2
+
+
+def test_allowed_token_ids_and_bad_words_hold_under_speculation(api):
+    prompt = "The capital of France is"
+    out = api.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3, temperature=0,
+                                 extra_body={"allowed_token_ids": [11, 12, 13],
+                                             "return_token_ids": True})
+    assert set(out.choices[0].token_ids) <= {11, 12, 13}
+    plain = api.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3, temperature=0)
+    assert "Paris" in plain.choices[0].text
+    banned = api.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=3, temperature=0,
+                                    extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text
+
+
+def test_stop_reason_and_string_contents_as_vllm_sends_them(api):
+    out = api.completions.create(model=MODEL_ID, prompt="The capital of France is",
+                                 max_tokens=8, temperature=0, stop=["."])
+    assert out.choices[0].finish_reason == "stop" and out.choices[0].stop_reason == "."
+    # Every delta of a stream without tool calls has a string content ("" included).
+    stream = api.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "Say hi"}], max_tokens=3,
+        stream=True, stream_options={"include_usage": True})
+    text = "".join(c.choices[0].delta.content for c in stream if c.choices)
+    assert text
+
+
+def test_batched_chat_answers_each_conversation(real_openai_server):
+    body = {"model": MODEL_ID, "max_tokens": 3, "temperature": 0, "messages": [
+        [{"role": "user", "content": "Reply with the word alpha"}],
+        [{"role": "user", "content": "Reply with the word beta"}]]}
+    req = urllib.request.Request(f"{real_openai_server['http']}/v1/chat/completions/batch",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out = json.loads(resp.read())
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert all(c["message"]["content"] for c in out["choices"])
