@@ -89,17 +89,18 @@ def concat_logprobs(a: dict, b: dict) -> dict:
 def prompt_logprobs_json(prompt_lps: Sequence[pb.TokenLogprob], text_of: TokenText,
                          top_n: int) -> list:
     """vLLM's `prompt_logprobs`: null for the first prompt token, then per token
-    {token id: {"logprob", "rank", "decoded_token"}} for it and its top `top_n`."""
+    {token id: {"logprob", "rank", "decoded_token"}} for it (first, as vLLM's) and its top
+    `top_n`."""
     out: list = [None]
     for lp in prompt_lps:
-        entry = {}
-        for rank, alt in enumerate(lp.top[:top_n], 1):
-            entry[str(alt.token_id)] = {"logprob": _finite(alt.logprob), "rank": rank,
-                                        "decoded_token": text_of(alt.token_id)}
-        if str(lp.token_id) not in entry:
-            rank = lp.rank if lp.HasField("rank") else None
-            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": rank,
-                                        "decoded_token": text_of(lp.token_id)}, **entry}
+        tops = list(enumerate(lp.top[:top_n], 1))
+        rank = next((r for r, alt in tops if alt.token_id == lp.token_id),
+                    lp.rank if lp.HasField("rank") else None)
+        entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": rank,
+                                    "decoded_token": text_of(lp.token_id)}}
+        for r, alt in tops:
+            entry.setdefault(str(alt.token_id), {"logprob": _finite(alt.logprob), "rank": r,
+                                                 "decoded_token": text_of(alt.token_id)})
         out.append(entry)
     return out
 

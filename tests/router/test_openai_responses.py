@@ -147,6 +147,9 @@ def test_prompt_logprobs_are_vllms_shape():
     assert out == [None, {"6": {"logprob": -0.5, "rank": 1, "decoded_token": "llo"}},
                    {"7": {"logprob": -2.0, "rank": 3, "decoded_token": " wé"},
                     "8": {"logprob": -0.125, "rank": 1, "decoded_token": "x"}}]
+    # The prompt's token leads its entry even when it is among the top ones (vLLM's order).
+    (entry,) = prompt_logprobs_json([lp(7, -1.0, (6, -0.5), (7, -1.0))], text_of, 2)[1:]
+    assert list(entry) == ["7", "6"] and entry["7"]["rank"] == 2
 
 
 def chat_shaper(logprobs=False, **fields):
