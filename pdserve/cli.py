@@ -66,7 +66,9 @@ VLLM_NO_OPS = {"--enforce-eager": False, "--trust-remote-code": False,
                "--enable-chunked-prefill": False, "--disable-frontend-multiprocessing": False,
                "--enable-tokenizer-info-endpoint": False,
                "--enable-server-load-tracking": False, "--gpu-memory-utilization": True,
-               "--swap-space": True, "--seed": True, "--tokenizer-mode": True}
+               "--swap-space": True, "--seed": True, "--tokenizer-mode": True,
+               "--disable-uvicorn-access-log": False, "--uvicorn-log-level": True,
+               "--enable-log-requests": False, "--disable-fastapi-docs": False}
 
 
 def _add_up(p: argparse.ArgumentParser) -> None:
@@ -127,6 +129,17 @@ def _add_up(p: argparse.ArgumentParser) -> None:
                      help='allow tool_choice "auto" (needs --tool-call-parser)')
     api.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="report usage.prompt_tokens_details.cached_tokens")
+    api.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help='logprobs name every token "token_id:N"')
+    api.add_argument("--enable-force-include-usage", action="store_true",
+                     help="every stream carries usage, on each chunk and at its end")
+    api.add_argument("--max-logprobs", type=int, default=None, metavar="N",
+                     help="most logprobs a request may ask for (default and most: 20)")
+    api.add_argument("--root-path", default=None, metavar="/PREFIX",
+                     help="also serve the API under this path prefix (behind a proxy)")
+    api.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                     help="bearer keys the API requires (or $VLLM_API_KEY / "
+                          "$PDSERVE_AUTH_TOKENS; handed to the router in its environment)")
     compat = p.add_argument_group("accepted for vLLM compatibility, no effect")
     for flag, takes_value in VLLM_NO_OPS.items():
         compat.add_argument(flag, action="store" if takes_value else "store_true",
@@ -188,6 +201,7 @@ def cmd_up(a: argparse.Namespace) -> int:
                        worker_args=(*engine_worker_args(a), *a.worker_arg,
                                     *_tier_worker_args(a), f"--drain-timeout={a.drain_timeout}"),
                        log_dir=a.log_dir, redis_url=a.redis, tls=a.tls == "auto",
+                       env=_api_key_env(a),
                        cluster_secret=secret,
                        router_args=("--local-prefill-tokens", str(a.local_prefill_tokens),
                                     "--http-port", str(a.http_port),
@@ -310,10 +324,22 @@ def api_router_args(a: argparse.Namespace) -> tuple[str, ...]:
         out += ["--chat-template", a.chat_template]
     if a.tool_call_parser:
         out += ["--tool-call-parser", a.tool_call_parser]
-    for flag in ("enable_auto_tool_choice", "enable_prompt_tokens_details"):
+    for flag in ("enable_auto_tool_choice", "enable_prompt_tokens_details",
+                 "return_tokens_as_token_ids", "enable_force_include_usage"):
         if getattr(a, flag):
             out.append(f"--{flag.replace('_', '-')}")
+    for name in ("max_logprobs", "root_path"):
+        if getattr(a, name) is not None:
+            out.append(f"--{name.replace('_', '-')}={getattr(a, name)}")
     return tuple(out)
+
+
+def _api_key_env(a: argparse.Namespace) -> dict[str, str]:
+    """--api-key reaches the router in its environment, never on its command line."""
+    if not a.api_key:
+        return {}
+    keys = [k for k in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if k]
+    return {"PDSERVE_AUTH_TOKENS": ",".join(dict.fromkeys([*keys, *a.api_key]))}
 
 
 def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:

@@ -31,6 +31,8 @@ class TextStream:
         self._text = ""  # decoded output so far
         self._sent = 0  # characters of _text already returned
         self._stopped = False
+        self.matched: str | None = None
+        """The stop string that ended the text (vLLM's `stop_reason`), once one has."""
 
     @property
     def text(self) -> str:
@@ -62,7 +64,8 @@ class TextStream:
             idx = self._text.find(s, max(0, before - len(s) + 1))
             if idx >= 0:
                 end = idx + len(s) if self._include else idx
-                best = end if best is None else min(best, end)
+                if best is None or end < best:
+                    best, self.matched = end, s
         return best
 
     def _take(self, end: int, stopped: bool) -> TextDelta:

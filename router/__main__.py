@@ -29,11 +29,13 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from kv_store.index import KVIndex, KVIndexConfigError, PrefixIndex, create_index
 from pdserve.default_model import ensure_default_model
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
+from pdserve.engine.sampling_params import MAX_LOGPROBS
 from pdserve.observability.http import MetricsServer
 from pdserve.observability.logs import configure_logging
 from pdserve.observability.router_metrics import RouterMetrics
@@ -130,7 +132,7 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     if http_cfg is not None:
         served = ServedModel(model_id, max_len, model_cfg.vocab_size, int(time.time()),
                              tokenizer.max_token_bytes, root=cfg.model,
-                             aliases=cfg.model_aliases)
+                             aliases=cfg.model_aliases, max_logprobs=http_cfg.api.max_logprobs)
         http = OpenAIServer(frontend, served,
                             dataclasses.replace(http_cfg, max_body_bytes=limits.max_body_bytes),
                             lambda: frontend.accepting and bool(decode.healthy()),
@@ -231,6 +233,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help='allow tool_choice "auto" (needs --tool-call-parser)')
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
+    add_vllm_api_args(p)
     p.add_argument("--local-prefill-tokens", type=int, default=32)
     p.add_argument("--routing", choices=("kv", "round-robin"), default="kv",
                    help="worker choice: KV-aware (default) or round-robin (a baseline)")
@@ -292,7 +295,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         p.error("--metrics-port must be -1 (on the HTTP port), 0 (any free port) or a port")
     if a.enable_auto_tool_choice and not a.tool_call_parser:
         p.error("--enable-auto-tool-choice needs --tool-call-parser")
-    tokens = tuple(t for t in os.environ.get("PDSERVE_AUTH_TOKENS", "").split(",") if t)
+    tokens = api_tokens(os.environ)
     try:
         tls = security_args.server_tls(a)
         internal = ClientSecurity(security_args.internal_client_tls(a),
@@ -300,10 +303,19 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         metrics_tokens = security_args.metrics_tokens(a)
     except (TLSError, ValueError) as exc:
         p.error(str(exc))
+    if not 0 <= a.max_logprobs:
+        p.error("--max-logprobs must be >= 0")
+    if a.max_logprobs > MAX_LOGPROBS:
+        log.warning("--max-logprobs %d: the engine returns at most %d; using %d",
+                    a.max_logprobs, MAX_LOGPROBS, MAX_LOGPROBS)
+    if a.root_path and not a.root_path.startswith("/"):
+        p.error("--root-path must start with /")
     api = ApiOptions(ToolConfig(a.tool_call_parser, a.enable_auto_tool_choice),
-                     a.enable_prompt_tokens_details)
+                     a.enable_prompt_tokens_details, a.return_tokens_as_token_ids,
+                     a.enable_force_include_usage, min(a.max_logprobs, MAX_LOGPROBS))
     http = None if a.http_port == -1 else HttpConfig(
         host=a.http_host or a.host, port=a.http_port, auth_tokens=tokens,
+        root_path=a.root_path,
         metrics_tokens=metrics_tokens,
         ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
@@ -320,6 +332,30 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         heartbeat_timeout_s=a.heartbeat_timeout, migration_limit=a.migration_limit, tls=tls,
         internal=internal, metrics_host=a.metrics_host, metrics_port=a.metrics_port,
         metrics_tokens=metrics_tokens), http
+
+
+def add_vllm_api_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's server flags that change what the OpenAI API answers (beside the tool and
+    template ones); `pdserve up` passes the same names through."""
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help='logprobs name every token "token_id:N" (as the request field does)')
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream carries usage: on each chunk, and a last usage chunk")
+    p.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS, metavar="N",
+                   help=f"most logprobs / top_logprobs / prompt_logprobs a request may ask "
+                        f"for (at most {MAX_LOGPROBS})")
+    p.add_argument("--root-path", default="", metavar="/PREFIX",
+                   help="also serve every route under this prefix (behind a path-forwarding "
+                        "proxy), as vLLM's --root-path")
+
+
+def api_tokens(env: Mapping[str, str]) -> tuple[str, ...]:
+    """The public API's bearer tokens: $PDSERVE_AUTH_TOKENS (comma-separated) and vLLM's
+    $VLLM_API_KEY."""
+    tokens = [t for t in env.get("PDSERVE_AUTH_TOKENS", "").split(",") if t]
+    if env.get("VLLM_API_KEY"):
+        tokens.append(env["VLLM_API_KEY"])
+    return tuple(dict.fromkeys(tokens))
 
 
 def read_chat_template(value: str | None) -> str:

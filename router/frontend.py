@@ -73,6 +73,9 @@ class OutputChunk:
     """The choice (0 .. choices-1): prompt i, sample j of n is choice i * n + j."""
     prompt_logprobs: list[pb.TokenLogprob] | None = None
     """On a choice's first chunk, when prompt logprobs were asked."""
+    stop_reason: str | int | None = None
+    """On the last chunk of a choice that a stop string (that string) or one of the
+    request's stop_token_ids (that id) ended; None for EOS or any other end (vLLM's)."""
 
 
 class UsageTotal:
@@ -218,6 +221,7 @@ class _Choice:
         self.held: OutputChunk | None = None
         self.first = True
         self.done = False
+        self.last_token: int | None = None
         self.trace = frontend.metrics.trace(rid, self.n_prompt, log, n=n,
                                             max_tokens=p.max_tokens)
 
@@ -228,6 +232,8 @@ class _Choice:
             self.held = None
         last = self.frontend._ends(self.params, self.n_prompt, self.sent, ev.token_ids)
         self.sent += len(ev.token_ids)
+        if ev.token_ids:
+            self.last_token = ev.token_ids[-1]
         self.trace.on_tokens(len(ev.token_ids))
         delta = self.text.add(ev.token_ids, final=last)
         lps = ev.logprobs if self.params.logprobs is not None else []
@@ -241,7 +247,8 @@ class _Choice:
                               t.prefill_compute_s)  # caller may stop reading
             self.done = True
             out.append(dataclasses.replace(chunk, finish_reason=FinishReason.STOP,
-                                           usage=Usage(self.n_prompt, self.sent, cached)))
+                                           usage=Usage(self.n_prompt, self.sent, cached),
+                                           stop_reason=self.text.matched))
         elif last:
             self.held = chunk
         else:
@@ -254,7 +261,18 @@ class _Choice:
         held = self.held or OutputChunk([], "", [], index=self.index)
         return dataclasses.replace(held, text=held.text + self.text.finish().text,
                                    finish_reason=ev.reason,
-                                   usage=Usage(self.n_prompt, self.sent, ev.cached_tokens))
+                                   usage=Usage(self.n_prompt, self.sent, ev.cached_tokens),
+                                   stop_reason=self._stop_token(ev.reason))
+
+    def _stop_token(self, reason: FinishReason) -> int | None:
+        """The request's own stop token that ended it (EOS is no stop_reason, as in vLLM)."""
+        eos = self.frontend.rules.eos_token_ids if self.frontend.rules is not None else ()
+        t = self.last_token
+        p = self.params
+        if reason == FinishReason.STOP and t in p.stop_token_ids and (p.ignore_eos
+                                                                      or t not in eos):
+            return t
+        return None
 
 
 async def _merge(streams: list[AsyncIterator[OutputChunk]]) -> AsyncIterator[OutputChunk]:

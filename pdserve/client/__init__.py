@@ -6,8 +6,8 @@
 `generate_choices` (`n` of them), `stream` (`Chunk`s as they are produced, tagged with their
 choice) and `list_models`. A prompt is text, token ids or a `Chat` (messages and tools,
 rendered by the server's chat template); options cover sampling, `logit_bias`,
-`prompt_logprobs` and output constraints (`json_schema`, `json_object`, `regex`, `choice`,
-`grammar`). Calls take an optional deadline,
+`allowed_token_ids`, `bad_words_token_ids`, `prompt_logprobs` and output constraints
+(`json_schema`, `json_object`, `regex`, `choice`, `grammar`). Calls take an optional deadline,
 retry UNAVAILABLE with jittered exponential backoff, send a bearer token when given one, and
 raise `PDServeError` subclasses named after the gRPC status.
 

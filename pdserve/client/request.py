@@ -61,6 +61,10 @@ class GenerateOptions:
     """Added to these token ids' logits, each in [-100, 100]."""
     prompt_logprobs: int | None = None
     """Logprobs of the prompt's tokens, with this many alternatives each."""
+    allowed_token_ids: Sequence[int] | None = None
+    """Sample only among these token ids."""
+    bad_words_token_ids: Sequence[Sequence[int]] | None = None
+    """Token sequences never to generate (the last token of each is banned after the rest)."""
     json_schema: Mapping[str, Any] | str | None = None
     """Constrain the output to JSON valid against this schema (at most one constraint)."""
     json_object: bool = False
@@ -100,6 +104,8 @@ class GenerateKwargs(TypedDict, total=False):
     n: int | None
     logit_bias: Mapping[int, float] | None
     prompt_logprobs: int | None
+    allowed_token_ids: Sequence[int] | None
+    bad_words_token_ids: Sequence[Sequence[int]] | None
     json_schema: Mapping[str, Any] | str | None
     json_object: bool
     regex: str | None
@@ -181,6 +187,11 @@ def sampling_params(options: GenerateOptions) -> pb.SamplingParams:
     for tid, bias in (options.logit_bias or {}).items():
         params.logit_bias[_check_int("logit_bias", tid, 0, UINT32_MAX)] = _check_float(
             "logit_bias", bias)
+    if options.allowed_token_ids is not None:
+        params.allowed_token_ids.extend(_token_ids("allowed_token_ids",
+                                                   options.allowed_token_ids))
+    for i, seq in enumerate(options.bad_words_token_ids or ()):
+        params.bad_words_token_ids.add(ids=_token_ids(f"bad_words_token_ids[{i}]", seq))
     structured = _structured(options)
     if structured is not None:
         params.structured.CopyFrom(structured)

@@ -10,6 +10,8 @@ Processing order (vLLM's), all in fp32 whatever the logits' dtype:
         ▼
     raw logits ──► logprobs (log_softmax of the raw logits, if asked)
         │
+        ▼ allowed_token_ids (every other token -inf), bad words (a sequence's last token -inf
+          when the output ends with the rest)
         ▼ repetition penalty (prompt + output tokens), presence / frequency (output tokens)
         ▼ logit_bias (added)
         ▼ min_tokens: stop_token_ids (and EOS unless ignore_eos) banned while step < min_tokens
@@ -230,8 +232,9 @@ def _min_tokens_active(row: SamplingRow) -> bool:
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
-    return (row.params.is_greedy and not _has_penalty(row.params)
-            and not _min_tokens_active(row) and not row.params.logit_bias)
+    p = row.params
+    return (p.is_greedy and not _has_penalty(p) and not _min_tokens_active(row)
+            and not p.logit_bias and not p.allowed_token_ids and not p.bad_words_token_ids)
 
 
 # -- logits processing: penalties and min_tokens ---------------------------------------------
@@ -240,10 +243,36 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 def _processed_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """fp32 copy of the logits with penalties and min_tokens bans applied (input untouched)."""
     x = logits.to(dtype=torch.float32, copy=True)
+    _apply_token_masks(x, rows)
     _apply_penalties(x, rows)
     _apply_logit_bias(x, rows)
     _apply_min_tokens(x, rows)
     return x
+
+
+def _apply_token_masks(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """allowed_token_ids and bad words, in place: the tokens a row may not sample get -inf."""
+    vocab = x.shape[1]
+    for i, r in enumerate(rows):
+        allowed = [t for t in r.params.allowed_token_ids if t < vocab]
+        if allowed:
+            keep = torch.full((vocab,), float("-inf"), dtype=x.dtype, device=x.device)
+            keep[torch.tensor(allowed, device=x.device)] = 0.0
+            x[i] += keep
+        banned = _banned_words(r)
+        if banned:
+            x[i, torch.tensor(banned, device=x.device)] = float("-inf")
+
+
+def _banned_words(row: SamplingRow) -> list[int]:
+    """Last tokens of the bad-word sequences whose other tokens end the output so far."""
+    seqs = row.params.bad_words_token_ids
+    if not seqs:
+        return []
+    out = [int(t) for t in row.output_token_ids[-max(len(s) for s in seqs):]]
+    return [s[-1] for s in seqs
+            if len(s) == 1 or (len(out) >= len(s) - 1 and out[len(out) - len(s) + 1:] ==
+                               list(s[:-1]))]
 
 
 def _apply_logit_bias(x: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -75,6 +75,11 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     """Constrain the output to a grammar (JSON schema, regex, choice, EBNF; see
     `pdserve.engine.structured`)."""
+    allowed_token_ids: tuple[int, ...] = ()
+    """Sample only among these tokens (vLLM's allowed_token_ids); empty: every token."""
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    """Banned token sequences (vLLM's bad_words, tokenized by the caller): the last token
+    of each is masked whenever the output ends with the ones before it."""
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -100,6 +105,7 @@ class SamplingParams:
             value = getattr(self, f.name)
             out[f.name] = list(value) if isinstance(value, tuple) else value
         out["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        out["bad_words_token_ids"] = [list(seq) for seq in self.bad_words_token_ids]
         out["structured"] = self.structured.to_dict() if self.structured is not None else None
         return out
 
@@ -132,6 +138,14 @@ class SamplingParams:
         bad = [tid for tid, _ in self.logit_bias if tid >= vocab_size]
         if bad:
             raise ValueError(f"logit_bias has token ids outside [0, {vocab_size}): {bad[:5]}")
+        bad = [tid for tid in self.allowed_token_ids if tid >= vocab_size]
+        if bad:
+            raise ValueError(f"allowed_token_ids contains out-of-vocab token ids (vocabulary "
+                             f"size {vocab_size}): {bad[:5]}")
+        bad = [tid for seq in self.bad_words_token_ids for tid in seq if tid >= vocab_size]
+        if bad:
+            raise ValueError(f"bad_words_token_ids contains out-of-vocab token ids "
+                             f"(vocabulary size {vocab_size}): {bad[:5]}")
 
     # -- validation helpers (each checks one group of fields) --------------------------------
 
@@ -148,6 +162,10 @@ class SamplingParams:
         if type(self.top_k) is int and self.top_k == -1:
             set_("top_k", 0)
         set_("logit_bias", _logit_bias(self.logit_bias))
+        set_("allowed_token_ids", _require_tuple("allowed_token_ids", self.allowed_token_ids))
+        bad = _require_tuple("bad_words_token_ids", self.bad_words_token_ids)
+        set_("bad_words_token_ids", tuple(_require_tuple("bad_words_token_ids", seq)
+                                          for seq in bad))
 
     def _validate_lengths(self) -> None:
         _require_int("max_tokens", self.max_tokens)
@@ -188,6 +206,20 @@ class SamplingParams:
             _require_int("stop_token_ids", tid)
             if tid < 0:
                 raise ValueError(f"stop_token_ids must be >= 0, got {tid}")
+        self._validate_masks()
+
+    def _validate_masks(self) -> None:
+        for tid in self.allowed_token_ids:
+            _require_int("allowed_token_ids", tid)
+            if tid < 0:
+                raise ValueError(f"allowed_token_ids must be >= 0, got {tid}")
+        for seq in self.bad_words_token_ids:
+            if not seq:
+                raise ValueError("bad_words_token_ids must not contain empty sequences")
+            for tid in seq:
+                _require_int("bad_words_token_ids", tid)
+                if tid < 0:
+                    raise ValueError(f"bad_words_token_ids must be >= 0, got {tid}")
 
     def _validate_misc(self) -> None:
         if self.seed is not None:

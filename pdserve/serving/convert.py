@@ -57,7 +57,11 @@ def params_from_pb(msg: pb.SamplingParams) -> SamplingParams:
     return SamplingParams(stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos,
                           include_stop_str_in_output=msg.include_stop_str_in_output,
-                          logit_bias=bias, structured=structured_from_pb(msg), **kwargs)
+                          logit_bias=bias, structured=structured_from_pb(msg),
+                          allowed_token_ids=tuple(msg.allowed_token_ids),
+                          bad_words_token_ids=tuple(tuple(s.ids)
+                                                    for s in msg.bad_words_token_ids),
+                          **kwargs)
 
 
 def structured_from_pb(msg: pb.SamplingParams) -> StructuredOutput | None:
@@ -91,7 +95,10 @@ def structured_to_pb(s: StructuredOutput) -> pb.StructuredOutput:
 def params_to_pb(p: SamplingParams) -> pb.SamplingParams:
     msg = pb.SamplingParams(stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
                             ignore_eos=p.ignore_eos,
-                            include_stop_str_in_output=p.include_stop_str_in_output)
+                            include_stop_str_in_output=p.include_stop_str_in_output,
+                            allowed_token_ids=list(p.allowed_token_ids),
+                            bad_words_token_ids=[pb.TokenIds(ids=list(s))
+                                                 for s in p.bad_words_token_ids])
     for name in _OPTIONAL_FIELDS:
         value = getattr(p, name)
         if value is not None:

@@ -20,7 +20,7 @@ from router.openai import constraints
 from router.openai.body import read_json
 from router.openai.completions import response_id
 from router.openai.errors import RequestError
-from router.openai.generation import ApiContext, respond, tokenize
+from router.openai.generation import ApiContext, respond, tokenize, with_bad_words
 from router.openai.responses import (
     TokenText,
     chat_logprobs,
@@ -49,19 +49,28 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     req = parse_chat(await read_json(request, ctx.body), ctx.model, ctx.tools, ctx.ignored)
     if req.params.structured is not None:
         await constraints.check(req.params.structured)
+    rid = response_id("chatcmpl", req.out.request_id)
+    valid, shaper = await prepare(ctx, req, rid, int(time.time()))
+    return await respond(request, ctx, [valid], shaper, req.out, beam=req.beam)
+
+
+async def prepare(ctx: ApiContext, req: ChatRequest, rid: str, created: int
+                  ) -> tuple[ValidRequest, ChatShaper]:
+    """The conversation rendered, tokenized and checked, and the shaper of its answer."""
     tokenizer = ctx.frontend.tokenizer
     try:
         ids = await tokenize(ctx, encode_chat, tokenizer, req)
     except ValueError as exc:  # no template, or the template refused these messages
         raise RequestError(f"messages: {exc}", "messages") from None
+    if req.truncation is not None:
+        ids = req.truncation.apply(ids)
     explicit = req.params.max_tokens if req.max_tokens_explicit else None
     check_prompt_ids(ids, ctx.model, "messages", explicit)
-    rid = response_id("chatcmpl", req.out.request_id)
-    shaper = ChatShaper(rid, int(time.time()), ctx.model.id,
-                        token_text(tokenizer, req.out.tokens_as_ids), req, ids,
+    text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
+    shaper = ChatShaper(rid, created, ctx.model.id, text_of, req, ids,
                         lambda: output_parser(req.tools, ctx.tools), ctx.prompt_tokens_details)
-    valid = ValidRequest(rid, ids, req.params, req.out.skip_special_tokens)
-    return await respond(request, ctx, [valid], shaper, req.out)
+    params = await with_bad_words(ctx, req.params, req.bad_words)
+    return ValidRequest(rid, ids, params, req.out.skip_special_tokens), shaper
 
 
 def encode_chat(tokenizer: Tokenizer, req: ChatRequest) -> list[int]:
@@ -104,10 +113,14 @@ class ChatShaper:
         finish = self._finish(c.finish_reason, stream)
         if not (content or calls or c.logprobs or finish is not None or c.token_ids):
             return None
-        delta: dict = {"content": content} if content else {}
+        # Content is a string on every delta without calls, "" included (vLLM's: clients
+        # concatenate it unchecked).
+        delta: dict = {"content": content} if content or not calls else {}
         if calls:
             delta["tool_calls"] = calls
         ev = self._chunk(delta, c.index, self._lp(c) if c.logprobs else None, finish)
+        if finish is not None:  # the choice's last chunk names what stopped it (vLLM's)
+            ev["choices"][0]["stop_reason"] = c.stop_reason
         if self._req.out.return_token_ids:
             ev["choices"][0]["token_ids"] = list(c.token_ids)
         return ev
@@ -122,6 +135,7 @@ class ChatShaper:
         out = self._req.out
         body = {**self._base("chat.completion"), "choices": [self._choice(c) for c in choices],
                 "usage": self.usage(usage), "system_fingerprint": None,
+                "service_tier": None, "metadata": None, "moderation": None,
                 "prompt_logprobs": None}
         if out.prompt_logprobs is not None and choices:
             body["prompt_logprobs"] = prompt_logprobs_json(
@@ -129,6 +143,10 @@ class ChatShaper:
         if out.return_token_ids:
             body["prompt_token_ids"] = list(self._prompt_ids)
         return body
+
+    def choice(self, c: OutputChunk) -> dict:
+        """One choice of the non-streaming response."""
+        return self._choice(c)
 
     def _choice(self, c: OutputChunk) -> dict:
         parser = self._make_parser()
@@ -145,15 +163,16 @@ class ChatShaper:
             elif calls:
                 text = self._echo + parsed.content
                 content = text if text.strip() else None
+        # Every field of OpenAI's message, as vLLM answers (clients compare whole objects);
+        # no call is a null `tool_calls`, never an empty list.
         message = {"role": "assistant", "content": content, "refusal": None,
-                   "reasoning_content": None}
-        if calls:  # absent otherwise, as vLLM and OpenAI answer
-            message["tool_calls"] = calls
+                   "annotations": None, "audio": None, "function_call": None,
+                   "tool_calls": calls or None, "reasoning_content": None}
         finish = c.finish_reason
         if calls and self._req.tools.mode is not ToolMode.NAMED and finish == "stop":
             finish = "tool_calls"
         choice = {"index": c.index, "message": message, "logprobs": self._lp(c),
-                  "finish_reason": finish, "stop_reason": None}
+                  "finish_reason": finish, "stop_reason": c.stop_reason}
         if self._req.out.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice

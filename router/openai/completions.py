@@ -16,7 +16,7 @@ from pdserve.tokenizer import Tokenizer
 from router.frontend import OutputChunk, Usage
 from router.openai import constraints
 from router.openai.body import read_json
-from router.openai.generation import ApiContext, respond, tokenize
+from router.openai.generation import ApiContext, respond, tokenize, with_bad_words
 from router.openai.responses import (
     TokenText,
     completion_logprobs,
@@ -49,11 +49,12 @@ async def handle(request: web.Request, ctx: ApiContext) -> web.StreamResponse:
     for v in views:
         check_prompt_ids(v.ids, ctx.model, "prompt", explicit)
     rid = response_id("cmpl", req.out.request_id)
-    valid = [ValidRequest(rid, v.ids, req.params, req.out.skip_special_tokens) for v in views]
-    shaper = CompletionShaper(rid, int(time.time()), ctx.model.id,
-                              token_text(tokenizer, req.out.tokens_as_ids), req, views,
+    params = await with_bad_words(ctx, req.params, req.bad_words)
+    valid = [ValidRequest(rid, v.ids, params, req.out.skip_special_tokens) for v in views]
+    text_of = token_text(tokenizer, req.out.tokens_as_ids or ctx.tokens_as_ids)
+    shaper = CompletionShaper(rid, int(time.time()), ctx.model.id, text_of, req, views,
                               ctx.prompt_tokens_details)
-    return await respond(request, ctx, valid, shaper, req.out, req.best_of)
+    return await respond(request, ctx, valid, shaper, req.out, req.best_of, req.beam)
 
 
 def response_id(prefix: str, client_id: str | None) -> str:
@@ -72,8 +73,8 @@ def _views(tokenizer: Tokenizer, req: CompletionRequest) -> list[PromptView]:
         else:
             ids = list(p)
             text = tokenizer.decode(ids, skip_special_tokens=False) if req.out.echo else ""
-        if req.truncate_prompt_tokens is not None:
-            ids = ids[-req.truncate_prompt_tokens:]
+        if req.truncation is not None:
+            ids = req.truncation.apply(ids)
         out.append(PromptView(ids, text))
     return out
 
@@ -134,7 +135,8 @@ class CompletionShaper:
             if lp["tokens"]:
                 self._offset[c.index] = lp["text_offset"][-1] + len(lp["tokens"][-1])
         choice = {"index": c.index, "text": (view.text if echo else "") + text, "logprobs": lp,
-                  "finish_reason": finish, "stop_reason": None, "prompt_logprobs": None}
+                  "finish_reason": finish, "stop_reason": c.stop_reason,
+                  "prompt_logprobs": None}
         if first and r.out.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs_json(
                 c.prompt_logprobs or [], self._text_of, r.out.prompt_logprobs)

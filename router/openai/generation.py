@@ -1,6 +1,7 @@
 """Run one validated request (one prompt or a batch, each with one or more choices) through
 the frontend and answer it as JSON or as an SSE stream.
 
+    the choices' chunks: the frontend's flows, or a beam search's (`beam_search.py`)
     admission (first chunk) ─► refused: 429 + Retry-After
                   ─► first chunk ─┬─ not streaming: collect every choice ─► one JSON body
                                   │  (best_of > n: the n with the highest total logprob)
@@ -25,13 +26,22 @@ from typing import Protocol, TypeVar
 import grpc
 from aiohttp import web
 
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.tokenizer import Tokenizer
 from router.flow import FlowError
 from router.frontend import Frontend, OutputChunk, Overloaded, Usage, UsageTotal
 from router.openai import sse
+from router.openai.beam_search import beam_chunks
 from router.openai.body import BodyLimits
 from router.openai.errors import ApiError, from_status, too_many_requests
 from router.openai.responses import joined
-from router.openai.schemas import IgnoredFields, OutputOptions, ServedModel
+from router.openai.schemas import (
+    BeamOptions,
+    IgnoredFields,
+    OutputOptions,
+    ServedModel,
+    StreamOptions,
+)
 from router.openai.tools import ToolConfig
 from router.tokenize import TokenizerBusy
 from router.validation import ValidRequest
@@ -52,6 +62,10 @@ class ApiContext:
     prompt_tokens_details: bool = False
     """usage.prompt_tokens_details (cached tokens), vLLM's --enable-prompt-tokens-details."""
     body: BodyLimits = BodyLimits()
+    tokens_as_ids: bool = False
+    """--return-tokens-as-token-ids: logprobs name tokens "token_id:N" for every request."""
+    force_include_usage: bool = False
+    """--enable-force-include-usage: streams carry usage on every chunk and at the end."""
 
 
 async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
@@ -61,6 +75,30 @@ async def tokenize(ctx: ApiContext, fn: Callable[..., T], *args) -> T:
         return await ctx.frontend.tokens.run(fn, *args)
     except TokenizerBusy as exc:
         raise too_many_requests(f"{exc}; retry later", exc.retry_after_s) from None
+
+
+def bad_words_token_ids(tokenizer: Tokenizer, words: Sequence[str]
+                        ) -> tuple[tuple[int, ...], ...]:
+    """vLLM's tokenization of bad_words: each word as it starts a text, and also after a
+    space where that spells it with other tokens of the same count (a word mid-text)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if plain:
+            out.append(plain)
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
+
+
+async def with_bad_words(ctx: ApiContext, params: SamplingParams, words: Sequence[str]
+                         ) -> SamplingParams:
+    """`params` with the request's bad_words as token sequences (tokenized off the loop)."""
+    if not words:
+        return params
+    seqs = await tokenize(ctx, bad_words_token_ids, ctx.frontend.tokenizer, words)
+    return replace(params, bad_words_token_ids=seqs)
 
 
 class Shaper(Protocol):
@@ -83,11 +121,15 @@ class Shaper(Protocol):
 
 
 async def respond(request: web.Request, ctx: ApiContext, reqs: Sequence[ValidRequest],
-                  shaper: Shaper, out: OutputOptions, best_of: int | None = None
-                  ) -> web.StreamResponse:
+                  shaper: Shaper, out: OutputOptions, best_of: int | None = None,
+                  beam: BeamOptions | None = None) -> web.StreamResponse:
     frontend = ctx.frontend
-    per_prompt = best_of or out.n
-    async with aclosing(frontend.generate_choices(reqs, per_prompt, None)) as chunks:
+    if ctx.force_include_usage and out.stream:
+        out = replace(out, stream_options=StreamOptions(True, True))
+    per_prompt = out.n if beam is not None else best_of or out.n
+    source = frontend.generate_choices(reqs, per_prompt, None) if beam is None else \
+        beam_chunks(frontend, reqs, beam, ctx.model.max_model_len)
+    async with aclosing(source) as chunks:
         try:
             chunk = await _next(chunks)
             if not out.stream:

@@ -51,9 +51,10 @@ def completion_logprobs(lps: Sequence[pb.TokenLogprob], text_of: TokenText, offs
                         top_n: int | None = None) -> dict:
     """The /v1/completions format; `offset` is where the first token's text starts.
 
-    `top_logprobs` holds the sampled token and the top alternatives (as OpenAI's does), keyed
-    by text: alternatives that decode to the same text collapse into one entry. `top_n` caps
-    the alternatives (prompt entries carry as many as the prompt was scored with).
+    `top_logprobs` holds the sampled token first (as vLLM's does: clients read the chosen
+    token as the first key), then the top alternatives, keyed by text: alternatives that
+    decode to the same text collapse into one entry. `top_n` caps the alternatives (prompt
+    entries carry as many as the prompt was scored with).
     """
     tokens = [text_of(lp.token_id) for lp in lps]
     offsets = []
@@ -63,8 +64,9 @@ def completion_logprobs(lps: Sequence[pb.TokenLogprob], text_of: TokenText, offs
     tops = []
     for tok, lp in zip(tokens, lps, strict=True):
         alts = lp.top if top_n is None else lp.top[:top_n]
-        top = {text_of(t.token_id): _finite(t.logprob) for t in alts}
-        top.setdefault(tok, _finite(lp.logprob))
+        top = {tok: _finite(lp.logprob)}
+        for t in alts:
+            top.setdefault(text_of(t.token_id), _finite(t.logprob))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in lps],
             "top_logprobs": tops, "text_offset": offsets}
@@ -87,17 +89,18 @@ def concat_logprobs(a: dict, b: dict) -> dict:
 def prompt_logprobs_json(prompt_lps: Sequence[pb.TokenLogprob], text_of: TokenText,
                          top_n: int) -> list:
     """vLLM's `prompt_logprobs`: null for the first prompt token, then per token
-    {token id: {"logprob", "rank", "decoded_token"}} for it and its top `top_n`."""
+    {token id: {"logprob", "rank", "decoded_token"}} for it (first, as vLLM's) and its top
+    `top_n`."""
     out: list = [None]
     for lp in prompt_lps:
-        entry = {}
-        for rank, alt in enumerate(lp.top[:top_n], 1):
-            entry[str(alt.token_id)] = {"logprob": _finite(alt.logprob), "rank": rank,
-                                        "decoded_token": text_of(alt.token_id)}
-        if str(lp.token_id) not in entry:
-            rank = lp.rank if lp.HasField("rank") else None
-            entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": rank,
-                                        "decoded_token": text_of(lp.token_id)}, **entry}
+        tops = list(enumerate(lp.top[:top_n], 1))
+        rank = next((r for r, alt in tops if alt.token_id == lp.token_id),
+                    lp.rank if lp.HasField("rank") else None)
+        entry = {str(lp.token_id): {"logprob": _finite(lp.logprob), "rank": rank,
+                                    "decoded_token": text_of(lp.token_id)}}
+        for r, alt in tops:
+            entry.setdefault(str(alt.token_id), {"logprob": _finite(alt.logprob), "rank": r,
+                                                 "decoded_token": text_of(alt.token_id)})
         out.append(entry)
     return out
 
@@ -118,7 +121,7 @@ def joined(chunks: Sequence[OutputChunk]) -> OutputChunk:
     first_plp = next((c.prompt_logprobs for c in chunks if c.prompt_logprobs), None)
     return OutputChunk([t for c in chunks for t in c.token_ids], "".join(c.text for c in chunks),
                        [lp for c in chunks for lp in c.logprobs], last.finish_reason, last.usage,
-                       last.index, first_plp)
+                       last.index, first_plp, last.stop_reason)
 
 
 def _chat_entry(token: str, logprob: float) -> dict:

@@ -5,8 +5,8 @@ Tolerant where vLLM is, strict where it matters:
 - a field this server does not know is accepted and ignored; the handler logs its name once
   (`IgnoredFields`), as vLLM warns about the fields it drops;
 - known fields keep their type and range checks, each failure a `RequestError` naming the
-  field (HTTP 400); a known field whose meaning cannot be honoured (beam search, a request
-  chat template, non-text content) is refused rather than silently ignored;
+  field (HTTP 400); a known field whose meaning cannot be honoured (a request chat template,
+  non-text content) is refused rather than silently ignored;
 - vLLM's extras are accepted and honoured: sampling knobs (`top_k`, `min_p`,
   `repetition_penalty`, `min_tokens`, `ignore_eos`, `stop_token_ids`, ...), output knobs
   (`skip_special_tokens`, `return_token_ids`, `return_tokens_as_token_ids`,
@@ -30,17 +30,29 @@ from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from router.openai import constraints
 from router.openai import fields as f
 from router.openai.errors import RequestError, model_not_found
+from router.openai.fields import INT64_MAX, INT64_MIN
 from router.openai.messages import parse_messages
 from router.openai.tools import NO_TOOLS, ToolChoice, ToolConfig, constraint, parse_tools
-from router.validation import INT32_MAX, RequestLimits, check_params, check_text
+from router.validation import (
+    INT32_MAX,
+    MAX_STOP_BYTES,
+    RequestLimits,
+    check_params,
+    check_text,
+)
 from router.validation import check_prompt_ids as check_ids
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 """OpenAI's default for /v1/completions; chat completions default to the model's context."""
 MAX_N = 128
 """Most choices (`n`, `best_of`) one request may ask for."""
+MAX_BAD_WORDS = 256
+"""Most bad_words one request may ban."""
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+"""Widest beam search: each step asks for 2 x width logprobs (as vLLM does)."""
 MAX_PROMPTS = 256
 """Most prompts in one /v1/completions batch."""
+_NO_PROMPT = "Either prompt or prompt_embeds must be provided and non-empty."  # vLLM's words
 
 # Request fields that go straight into SamplingParams under the same name.
 _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
@@ -48,12 +60,10 @@ _SAMPLING = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "freq
              "include_stop_str_in_output")
 # Known fields whose values cannot be honoured here: refused when set to anything but these.
 _REFUSED = {
-    "use_beam_search": (False,), "logits_processors": ([],), "bad_words": ([],),
-    "allowed_token_ids": ([],), "prompt_embeds": ([],), "suffix": ("",),
+    "logits_processors": ([],), "prompt_embeds": ([],), "suffix": ("",),
     "chat_template": ("",), "functions": ([],), "function_call": ("none",),
 }
 _REFUSED_WHY = {
-    "use_beam_search": "beam search is not supported (sample with n / best_of instead)",
     "functions": "functions are deprecated: send tools instead",
     "function_call": "function_call is deprecated: send tool_choice instead",
     "chat_template": "a chat template per request is not accepted; the server's (from the "
@@ -78,6 +88,9 @@ class ServedModel:
     """The checkpoint the model was loaded from (/v1/models `root`)."""
     aliases: tuple[str, ...] = ()
     """Other names requests may use (vLLM's --served-model-name A B ...)."""
+    max_logprobs: int = MAX_LOGPROBS
+    """Most top logprobs a request may ask for (vLLM's --max-logprobs, at most the
+    engine's MAX_LOGPROBS)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -132,6 +145,31 @@ class OutputOptions:
 
 
 @dataclass(frozen=True)
+class BeamOptions:
+    """vLLM's `use_beam_search` (run by `beam_search.py`)."""
+
+    width: int
+    """Beams kept each step, and choices returned (the request's `n`)."""
+    length_penalty: float = 1.0
+    """Scores divide by length ** length_penalty: above 1 favours longer outputs."""
+
+
+@dataclass(frozen=True)
+class Truncation:
+    """vLLM's `truncate_prompt_tokens` (-1: the model's context) and `truncation_side`."""
+
+    keep: int
+    """Most prompt tokens kept."""
+    left: bool = True
+    """Drop tokens from the start (vLLM's default side), else from the end."""
+
+    def apply(self, ids: list[int]) -> list[int]:
+        if len(ids) <= self.keep:
+            return ids
+        return ids[len(ids) - self.keep:] if self.left else ids[:self.keep]
+
+
+@dataclass(frozen=True)
 class CompletionRequest:
     prompts: tuple[str | tuple[int, ...], ...]
     """One choice group per prompt: text, or token ids."""
@@ -143,11 +181,15 @@ class CompletionRequest:
     best_of: int = 1
     """Candidates per prompt; the `n` with the highest total logprob are returned."""
     add_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = None
-    """Keep only this many last prompt tokens."""
+    truncation: Truncation | None = None
+    """truncate_prompt_tokens / truncation_side: keep this many of the prompt's tokens."""
     generate: bool = True
     """False: echo with max_tokens 0, the prompt is scored and nothing is generated."""
     max_tokens_explicit: bool = False
+    beam: BeamOptions | None = None
+    """use_beam_search: the n choices are the n best beams (best_of is not used)."""
+    bad_words: tuple[str, ...] = ()
+    """vLLM's bad_words, tokenized by the handler into `params.bad_words_token_ids`."""
 
 
 @dataclass(frozen=True)
@@ -171,6 +213,9 @@ class ChatRequest:
     tools: ToolChoice = NO_TOOLS
     template: TemplateOptions = TemplateOptions()
     max_tokens_explicit: bool = False
+    truncation: Truncation | None = None
+    beam: BeamOptions | None = None
+    bad_words: tuple[str, ...] = ()
 
 
 # -- endpoints -----------------------------------------------------------------------------------
@@ -180,9 +225,10 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
                      ) -> CompletionRequest:
     fields = _fields(body, ignored, "completions", _COMPLETION_FIELDS)
     _check_model(fields, model)
-    out = _output_options(fields)
-    logprobs = f.integer(fields, "logprobs", None, 0, MAX_LOGPROBS)
-    best_of = f.integer(fields, "best_of", out.n, 1, MAX_N)
+    out = _output_options(fields, model.max_logprobs)
+    logprobs = f.integer(fields, "logprobs", None, 0, model.max_logprobs)
+    beam = _beam_options(fields, out)
+    best_of = out.n if beam else f.integer(fields, "best_of", out.n, 1, MAX_N)
     if best_of < out.n:
         raise RequestError(f"best_of must be >= n ({out.n}), got {best_of}", "best_of")
     if best_of > out.n and out.stream:
@@ -203,21 +249,21 @@ def parse_completion(body: Any, model: ServedModel, ignored: IgnoredFields | Non
     return CompletionRequest(
         prompts, params, out, logprobs, best_of,
         f.boolean(fields, "add_special_tokens", True),
-        f.integer(fields, "truncate_prompt_tokens", None, 1, INT32_MAX), generate,
-        "max_tokens" in fields)
+        truncation(fields, model), generate, "max_tokens" in fields,
+        _checked_beam(beam, params, generate), _bad_words(fields))
 
 
 def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = None,
                ignored: IgnoredFields | None = None) -> ChatRequest:
     fields = _fields(body, ignored, "chat.completions", _CHAT_FIELDS)
     _check_model(fields, model)
-    out = _output_options(fields)
+    out = _output_options(fields, model.max_logprobs)
     messages, extra_keys = parse_messages(fields.get("messages"))
     # The contents bound the rendered prompt's tokens from below, as a text's bytes do.
     check_text("\n".join(_texts(messages)) or " ", model.limits, "messages")
     if ignored is not None and extra_keys:
         ignored.report(extra_keys, "chat message")
-    want_lp, top = _chat_logprobs(fields)
+    want_lp, top = _chat_logprobs(fields, model.max_logprobs)
     tools = parse_tools(fields, tool_config or ToolConfig())
     template = template_options(fields)
     max_field = "max_completion_tokens" if "max_completion_tokens" in fields else "max_tokens"
@@ -230,7 +276,9 @@ def parse_chat(body: Any, model: ServedModel, tool_config: ToolConfig | None = N
                                "response_format or structured_outputs", "tool_choice")
         params = dataclasses.replace(params, structured=tool_spec)
     return ChatRequest(messages, params, out, want_lp, tools, template,
-                       max_field in fields)
+                       max_field in fields, truncation(fields, model),
+                       _checked_beam(_beam_options(fields, out), params, True),
+                       _bad_words(fields))
 
 
 def parse_json_body(raw: bytes) -> Any:
@@ -249,7 +297,12 @@ def parse_json_body(raw: bytes) -> Any:
 def check_prompt_ids(ids: list[int], model: ServedModel, param: str,
                      max_tokens: int | None = None) -> None:
     """Token ids the workers accept (`validation.check_prompt_ids`, as on gRPC), leaving
-    room for `max_tokens` of output when the client set it."""
+    room for `max_tokens` of output when the client set it. The length errors are in
+    vLLM's words (clients match on "maximum context length")."""
+    if len(ids) >= model.max_model_len:
+        raise RequestError(f"This model's maximum context length is {model.max_model_len} "
+                           f"tokens. However, your request has {len(ids)} input tokens. "
+                           "Please reduce the length of the input messages.", param)
     check_ids(ids, model.limits, param)
     if max_tokens is not None and len(ids) + max_tokens > model.max_model_len:
         raise RequestError(f"This model's maximum context length is {model.max_model_len} "
@@ -264,7 +317,9 @@ _COMMON = frozenset({*_SAMPLING, "model", "max_tokens", "stream", "stream_option
                      "user", "logit_bias", "seed", "skip_special_tokens", "prompt_logprobs",
                      "return_token_ids", "return_tokens_as_token_ids", "request_id",
                      "response_format", "structured_outputs", *constraints.GUIDED_FIELDS,
-                     "truncate_prompt_tokens", *_REFUSED, "echo"})
+                     "truncate_prompt_tokens", "truncation_side", *_REFUSED, "echo",
+                     "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words",
+                     "priority"})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs", "best_of", "add_special_tokens"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs",
                           "tools", "tool_choice", "parallel_tool_calls",
@@ -297,7 +352,8 @@ def _check_model(fields: dict[str, Any], model: ServedModel) -> None:
         raise RequestError("user must be a string", "user")
 
 
-def _output_options(fields: dict[str, Any]) -> OutputOptions:
+def _output_options(fields: dict[str, Any], max_logprobs: int = MAX_LOGPROBS
+                    ) -> OutputOptions:
     stream = f.boolean(fields, "stream", False)
     if "stream_options" in fields and not stream:
         raise RequestError("Stream options can only be defined when `stream=True`.",
@@ -307,6 +363,10 @@ def _output_options(fields: dict[str, Any]) -> OutputOptions:
         if opts.get(key) is not None and not isinstance(opts[key], bool):
             raise RequestError(f"stream_options.{key} must be a boolean", "stream_options")
     request_id = f.string(fields, "request_id")
+    priority = f.integer(fields, "priority", 0, INT64_MIN, INT64_MAX)
+    if priority:  # vLLM's answer without --scheduling-policy priority (pdserve has none)
+        raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled.",
+                           "priority")
     return OutputOptions(
         n=f.integer(fields, "n", 1, 1, MAX_N), stream=stream,
         stream_options=StreamOptions(bool(opts.get("include_usage")),
@@ -314,13 +374,19 @@ def _output_options(fields: dict[str, Any]) -> OutputOptions:
         return_token_ids=f.boolean(fields, "return_token_ids", False),
         tokens_as_ids=f.boolean(fields, "return_tokens_as_token_ids", False),
         skip_special_tokens=f.boolean(fields, "skip_special_tokens", True),
-        prompt_logprobs=f.integer(fields, "prompt_logprobs", None, 0, MAX_LOGPROBS),
+        prompt_logprobs=f.integer(fields, "prompt_logprobs", None, 0, max_logprobs),
         echo=f.boolean(fields, "echo", False), request_id=request_id or None)
 
 
 def _sampling(fields: dict[str, Any], model: ServedModel, max_field: str, max_tokens: Any,
               logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
     kwargs = {name: fields[name] for name in _SAMPLING if name in fields}
+    if f.is_int(max_tokens) and max_tokens > model.max_model_len:  # vLLM's words
+        raise RequestError(f"'max_tokens' or 'max_completion_tokens' is too large: "
+                           f"{max_tokens}. This model's maximum context length is "
+                           f"{model.max_model_len} tokens.", max_field)
+    if "allowed_token_ids" in fields:
+        kwargs["allowed_token_ids"] = _allowed_token_ids(fields["allowed_token_ids"])
     try:
         params = SamplingParams(
             max_tokens=max_tokens, logprobs=logprobs, seed=f.seed(fields),
@@ -349,9 +415,9 @@ def _texts(messages: list[dict]) -> list[str]:
     return out
 
 
-def _chat_logprobs(fields: dict[str, Any]) -> tuple[bool, int]:
+def _chat_logprobs(fields: dict[str, Any], max_logprobs: int) -> tuple[bool, int]:
     want = f.boolean(fields, "logprobs", False)
-    top = f.integer(fields, "top_logprobs", 0, 0, MAX_LOGPROBS)
+    top = f.integer(fields, "top_logprobs", 0, 0, max_logprobs)
     if top and not want:
         raise RequestError("top_logprobs needs logprobs set to true", "top_logprobs")
     return want, top
@@ -370,8 +436,8 @@ def template_options(fields: dict[str, Any]) -> TemplateOptions:
 
 def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
     """A string, token ids, or a batch: a list of strings or of token-id lists."""
-    if prompt is None:
-        raise RequestError("prompt is required", "prompt")
+    if prompt is None or prompt == [] or prompt == "":
+        raise RequestError(_NO_PROMPT, "prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt
                                    and all(f.is_int(t) for t in prompt)):
         items = [prompt]
@@ -386,7 +452,7 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
     for p in items:
         if isinstance(p, str):
             if not p:
-                raise RequestError("prompt must not be empty", "prompt")
+                raise RequestError(_NO_PROMPT, "prompt")
             out.append(p)
         elif p and all(f.is_int(t) for t in p):
             out.append(tuple(p))
@@ -394,6 +460,60 @@ def _prompts(prompt: Any) -> tuple[str | tuple[int, ...], ...]:
             raise RequestError("each prompt must be a non-empty string or list of token ids",
                                "prompt")
     return tuple(out)
+
+
+def _allowed_token_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not all(f.is_int(t) for t in value):
+        raise RequestError("allowed_token_ids must be a list of token ids",
+                           "allowed_token_ids")
+    if not value:
+        raise RequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+    return tuple(value)
+
+
+def _bad_words(fields: dict[str, Any]) -> tuple[str, ...]:
+    words = fields.get("bad_words", [])
+    if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+        raise RequestError("bad_words must be a list of strings", "bad_words")
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_BYTES for w in words):
+        raise RequestError(f"bad_words takes at most {MAX_BAD_WORDS} words of at most "
+                           f"{MAX_STOP_BYTES} characters", "bad_words")
+    return tuple(w for w in words if w.strip())
+
+
+def _beam_options(fields: dict[str, Any], out: OutputOptions) -> BeamOptions | None:
+    if not f.boolean(fields, "use_beam_search", False):
+        return None
+    if out.n > MAX_BEAM_WIDTH:
+        raise RequestError(f"use_beam_search takes n <= {MAX_BEAM_WIDTH} (the beam width), "
+                           f"got {out.n}", "n")
+    penalty = f.number(fields, "length_penalty")
+    return BeamOptions(out.n, 1.0 if penalty is None else penalty)
+
+
+def _checked_beam(beam: BeamOptions | None, params: SamplingParams, generate: bool
+                  ) -> BeamOptions | None:
+    if beam is None:
+        return None
+    if params.structured is not None:
+        raise RequestError("use_beam_search cannot be combined with structured outputs or "
+                           "a required / named tool call", "use_beam_search")
+    if not generate:
+        raise RequestError("use_beam_search needs max_tokens >= 1", "max_tokens")
+    return beam
+
+
+def truncation(fields: dict[str, Any], model: ServedModel) -> Truncation | None:
+    keep = f.integer(fields, "truncate_prompt_tokens", None, -1, INT32_MAX)
+    side = fields.get("truncation_side", "left")
+    if side not in ("left", "right"):
+        raise RequestError("truncation_side must be 'left' or 'right'", "truncation_side")
+    if keep is None:
+        return None
+    if keep == 0:
+        raise RequestError("truncate_prompt_tokens must be -1 (the model's context) or >= 1",
+                           "truncate_prompt_tokens")
+    return Truncation(model.max_model_len if keep == -1 else keep, side == "left")
 
 
 def _max_opt(a: int | None, b: int | None) -> int | None:

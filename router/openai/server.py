@@ -17,6 +17,7 @@ response); a body not all there within `body_timeout_s` of the headers is a 408
     GET  /v1/models[/{model}]
     POST /v1/completions
     POST /v1/chat/completions
+    POST /v1/chat/completions/batch   vLLM's: one choice per conversation (chat_batch.py)
     POST /tokenize, /detokenize  vLLM's tokenizer endpoints (info.py)
     GET  /version, /load, /ping, /tokenizer_info;  POST /invocations (SageMaker)
 """
@@ -36,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pdserve.serving.security.http_auth import bearer_ok
 from router.frontend import Frontend
-from router.openai import chat, completions, info, sse
+from router.openai import chat, chat_batch, completions, info, sse
 from router.openai.body import BodyLimits
 from router.openai.connection import connection_protocol
 from router.openai.errors import (
@@ -66,6 +67,14 @@ class ApiOptions:
     """--tool-call-parser / --enable-auto-tool-choice."""
     prompt_tokens_details: bool = False
     """--enable-prompt-tokens-details: usage reports cached prompt tokens."""
+    tokens_as_ids: bool = False
+    """--return-tokens-as-token-ids: every request's logprobs name tokens "token_id:N"."""
+    force_include_usage: bool = False
+    """--enable-force-include-usage: every stream carries usage, on each chunk and at the
+    end, whatever its stream_options."""
+    max_logprobs: int = 20
+    """--max-logprobs: most top logprobs one request may ask for (the router passes it to
+    `ServedModel.max_logprobs`)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,9 @@ class HttpConfig:
     """TLS (None = plaintext HTTP); one that requires client certificates makes it mTLS."""
     api: ApiOptions = ApiOptions()
     """What the API answers (vLLM's server flags)."""
+    root_path: str = ""
+    """vLLM's --root-path: every route also answers under this prefix (behind a proxy that
+    forwards /PREFIX/v1/... unchanged)."""
 
 
 class OpenAIServer:
@@ -95,7 +107,8 @@ class OpenAIServer:
                  before_scrape: Callable[[], Awaitable[None]] | None = None) -> None:
         self.ctx = ApiContext(frontend, model, config.api.tools, IgnoredFields(log),
                               config.api.prompt_tokens_details,
-                              BodyLimits(config.max_body_bytes, config.body_timeout_s))
+                              BodyLimits(config.max_body_bytes, config.body_timeout_s),
+                              config.api.tokens_as_ids, config.api.force_include_usage)
         self.config = config
         self.healthy = healthy
         self.metrics = metrics
@@ -106,28 +119,30 @@ class OpenAIServer:
         """host:port once started."""
 
     def app(self) -> web.Application:
+        root = self.config.root_path.rstrip("/")
         app = web.Application(client_max_size=self.config.max_body_bytes,
-                              middlewares=[_errors, _auth(self.config.auth_tokens)])
-        app.router.add_get("/health", self._health)
-        if self.metrics is not None:
-            app.router.add_get("/metrics", self._metrics)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_get("/v1/models/{model}", self._model)
-        app.router.add_post("/v1/completions", self._completions)
-        app.router.add_post("/v1/chat/completions", self._chat)
-        self._add_vllm_routes(app)
+                              middlewares=[_errors, _auth(self.config.auth_tokens, root)])
+        for prefix in ("", root) if root else ("",):
+            for method, path, handler in self._routes():
+                app.router.add_route(method, prefix + path, handler)
         return app
 
-    def _add_vllm_routes(self, app: web.Application) -> None:
-        for method, path, fn in (("POST", "/tokenize", info.tokenize),
-                                 ("POST", "/detokenize", info.detokenize),
-                                 ("GET", "/tokenizer_info", info.tokenizer_info),
-                                 ("POST", "/invocations", info.invocations)):
-            app.router.add_route(method, path, functools.partial(fn, ctx=self.ctx))
-        app.router.add_get("/load", self._load)
-        app.router.add_get("/version", self._version)
-        app.router.add_get("/ping", self._health)
-        app.router.add_post("/ping", self._health)
+    def _routes(self) -> list[tuple[str, str, Callable]]:
+        bind = functools.partial
+        routes = [("GET", "/health", self._health), ("GET", "/v1/models", self._models),
+                  ("GET", "/v1/models/{model}", self._model),
+                  ("POST", "/v1/completions", self._completions),
+                  ("POST", "/v1/chat/completions", self._chat),
+                  ("POST", "/v1/chat/completions/batch", bind(chat_batch.handle, ctx=self.ctx)),
+                  ("POST", "/tokenize", bind(info.tokenize, ctx=self.ctx)),
+                  ("POST", "/detokenize", bind(info.detokenize, ctx=self.ctx)),
+                  ("GET", "/tokenizer_info", bind(info.tokenizer_info, ctx=self.ctx)),
+                  ("POST", "/invocations", bind(info.invocations, ctx=self.ctx)),
+                  ("GET", "/load", self._load), ("GET", "/version", self._version),
+                  ("GET", "/ping", self._health), ("POST", "/ping", self._health)]
+        if self.metrics is not None:
+            routes.append(("GET", "/metrics", self._metrics))
+        return routes
 
     async def start(self) -> str:
         # handler_cancellation: a client that disconnects cancels its handler, which cancels
@@ -213,12 +228,15 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return _error_response(ApiError(500, "internal server error", "server_error"))
 
 
-def _auth(tokens: Sequence[str]):
+def _auth(tokens: Sequence[str], root: str = ""):
     expected = [t.encode() for t in tokens]
 
     @web.middleware
     async def check(request: web.Request, handler) -> web.StreamResponse:
-        if expected and request.path not in _OPEN_PATHS:
+        path = request.path
+        if root and path.startswith(root + "/"):
+            path = path[len(root):]
+        if expected and path not in _OPEN_PATHS:
             header = request.headers.get("Authorization", "")
             given = header[7:].strip().encode() if header[:7].lower() == "bearer " else b""
             if not any(hmac.compare_digest(given, t) for t in expected):

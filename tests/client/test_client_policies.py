@@ -103,6 +103,15 @@ def test_build_request_rejects_float32_overflow_and_bool_ints():
         build_request("x", GenerateOptions(max_tokens=True))
 
 
+def test_build_request_carries_the_token_masks():
+    request = build_request("x", GenerateOptions(allowed_token_ids=[3, 4],
+                                                 bad_words_token_ids=[[5], [6, 7]]))
+    assert list(request.sampling.allowed_token_ids) == [3, 4]
+    assert [list(s.ids) for s in request.sampling.bad_words_token_ids] == [[5], [6, 7]]
+    with pytest.raises(InvalidArgument, match=r"bad_words_token_ids\[0\]"):
+        build_request("x", GenerateOptions(bad_words_token_ids=[[-1]]))
+
+
 def test_finish_reasons_map_to_lowercase_names():
     assert response.finish_reason_name(pb.FINISH_REASON_UNSPECIFIED) is None
     assert response.finish_reason_name(pb.FINISH_REASON_STOP) == "stop"

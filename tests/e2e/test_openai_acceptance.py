@@ -11,27 +11,19 @@ tool's arguments schema, vLLM's extras, endpoints and metric names answer."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 import urllib.request
 
 import jsonschema
 import openai
 import pytest
 
-from pdserve.default_model import CACHE_DIR_ENV, MODEL_ID
+from pdserve.default_model import MODEL_ID
 from pdserve.engine import LLM, SamplingParams
-from tests.helpers.cluster import TEST_SECRET
 from tests.helpers.real_model import QUESTION
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
-SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
-                   "adaptive": False})  # a fixed k: seeded samples repeat exactly
 EMPLOYEE = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 24},
     "age": {"type": "integer", "minimum": 18, "maximum": 99},
@@ -46,37 +38,10 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris to
 
 
 @pytest.fixture(scope="module")
-def server(default_model_cache, tmp_path_factory):
-    """`pdserve up` as a vLLM user types it, on any free ports; its printed addresses."""
-    tmp = tmp_path_factory.mktemp("acceptance")
-    (tmp / "secret").write_text(TEST_SECRET)
-    cmd = [sys.executable, "-m", "pdserve", "up", "--port", "0", "--http-port", "0",
-           "--threads-per-worker", "1", "--log-dir", str(tmp / "logs"),
-           "--cluster-secret-file", str(tmp / "secret"), "--local-prefill-tokens", "0",
-           "--dtype", "float32", "--max-model-len", "2048", "--max-num-seqs", "32",
-           "--speculative-config", SPEC, "--enable-auto-tool-choice",
-           "--tool-call-parser", "hermes", "--enforce-eager"]
-    env = {**os.environ, CACHE_DIR_ENV: str(default_model_cache), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    addresses = {}
-    try:
-        end = time.monotonic() + 600
-        while "http" not in addresses and time.monotonic() < end:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"pdserve up exited with {proc.wait()}")
-            if m := re.search(r"router\s+grpc://(\S+)", line):
-                addresses["grpc"] = m.group(1)
-            if m := re.search(r"openai api\s+(http://\S+)/v1", line):
-                addresses["http"] = m.group(1)
-        yield addresses
-    finally:
-        os.killpg(proc.pid, signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+def server(real_openai_server):
+    """`pdserve up` as a vLLM user types it (tests/e2e/conftest.py: shared with
+    test_openai_vllm_behaviour.py)."""
+    return real_openai_server
 
 
 @pytest.fixture(scope="module")

@@ -285,8 +285,9 @@ def test_unknown_fields_are_ignored_and_vllm_extras_honoured(api):
         extra_body={"not_a_field": 1, "skip_special_tokens": True, "top_k": 5,
                     "chat_template_kwargs": {"anything": True}, "return_token_ids": True})
     assert len(out.choices[0].token_ids) == 3 and out.prompt_token_ids
-    with pytest.raises(openai.BadRequestError, match="beam search"):
-        api.completions.create(model=SERVED, prompt=SHORT, extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="beam width"):
+        api.completions.create(model=SERVED, prompt=SHORT, n=11,
+                               extra_body={"use_beam_search": True})
 
 
 def test_vllms_endpoints_and_a_form_body(cluster, tokenizer):

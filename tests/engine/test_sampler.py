@@ -131,6 +131,25 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached():
     assert probs_of(sampled, logits, step=0, eos={3})[2:].tolist() == [0.0, 0.0]
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
+    p = greedy(allowed_token_ids=[0, 1])
+    assert Sampler()(logits, [row(p)]).token_ids == [1]
+    # Raw logprobs are reported as the model gave them (vLLM's default), the mask is not.
+    lp = Sampler()(logits, [row(greedy(allowed_token_ids=[0, 1], logprobs=0))]).logprobs[0]
+    assert lp.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[1].item())
+    assert probs_of(SamplingParams(allowed_token_ids=[2, 3]), LOG_P4)[:2].tolist() == [0, 0]
+
+
+def test_bad_words_ban_a_sequences_last_token_after_the_rest():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
+    p = greedy(bad_words_token_ids=[[3], [1, 2]])
+    sample = lambda out: Sampler()(logits, [row(p, out=out)]).token_ids[0]
+    assert sample([]) == 2  # 3 is banned everywhere
+    assert sample([0, 1]) == 1  # after 1, the word [1, 2] may not end: 2 is banned too
+    assert sample([1, 0]) == 2
+
+
 def test_ignore_eos_does_not_ban_eos_under_min_tokens():
     logits = torch.tensor([[0.0, 1.0, 5.0, 9.0]])
     p = greedy(min_tokens=2, stop_token_ids=[2], ignore_eos=True)

@@ -60,6 +60,11 @@ BAD_VALUES = [
     ("prompt_logprobs", -1),
     ("prompt_logprobs", 21),
     ("structured", {"kind": "regex", "spec": "a"}),
+    ("allowed_token_ids", [1.0]),
+    ("allowed_token_ids", 3),
+    ("bad_words_token_ids", [[]]),
+    ("bad_words_token_ids", [[-2]]),
+    ("bad_words_token_ids", [3]),
 ]
 
 
@@ -155,3 +160,17 @@ def test_validate_for_model_checks_stop_token_ids():
         SamplingParams(stop_token_ids=[0, 100]).validate_for_model(100)
     with pytest.raises(ValueError, match="vocab_size"):
         SamplingParams().validate_for_model(0)
+
+
+def test_allowed_token_ids_and_bad_words_are_checked_and_round_trip():
+    p = SamplingParams(allowed_token_ids=[1, 2], bad_words_token_ids=[[3], [4, 5]])
+    assert p.allowed_token_ids == (1, 2) and p.bad_words_token_ids == ((3,), (4, 5))
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    with pytest.raises(ValueError, match="bad_words_token_ids must not contain empty"):
+        SamplingParams(bad_words_token_ids=[[]])
+    with pytest.raises(ValueError, match="allowed_token_ids must be >= 0"):
+        SamplingParams(allowed_token_ids=[-1])
+    with pytest.raises(ValueError, match="allowed_token_ids contains out-of-vocab"):
+        SamplingParams(allowed_token_ids=[9]).validate_for_model(8)
+    with pytest.raises(ValueError, match="bad_words_token_ids contains out-of-vocab"):
+        SamplingParams(bad_words_token_ids=[[1, 9]]).validate_for_model(8)

@@ -80,3 +80,19 @@ def test_every_flag_has_a_help_line(make):
     missing = [a.option_strings for a in parser._actions
                if a.option_strings and a.help in (None, "") and a.dest != "help"]
     assert missing == []
+
+
+def test_vllms_server_flags_reach_the_router_and_the_key_its_environment(monkeypatch):
+    monkeypatch.delenv("PDSERVE_AUTH_TOKENS", raising=False)
+    a = up_parser().parse_args(["up", "--return-tokens-as-token-ids", "--max-logprobs", "5",
+                                "--enable-force-include-usage", "--root-path", "/llm",
+                                "--api-key", "k1", "k2", "--disable-uvicorn-access-log"])
+    args = cli.api_router_args(a)
+    assert "k1" not in " ".join(args)  # a key never on the router's command line
+    _, http = parse_router(["--model", "m", "--decode", "127.0.0.1:1", *args])
+    assert http.api.tokens_as_ids and http.api.force_include_usage
+    assert http.api.max_logprobs == 5 and http.root_path == "/llm"
+    assert cli._api_key_env(a) == {"PDSERVE_AUTH_TOKENS": "k1,k2"}
+    monkeypatch.setenv("VLLM_API_KEY", "v")
+    _, http = parse_router(["--model", "m", "--decode", "127.0.0.1:1"])
+    assert http.auth_tokens == ("v",)

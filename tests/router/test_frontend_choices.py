@@ -154,3 +154,16 @@ def test_usage_of_several_choices_counts_each_prompt_once():
         total.add(u, index)
     assert total.finished == 4
     assert total.total() == Usage(17, 11, 4)
+
+
+def test_stop_reason_names_the_stop_string_or_the_requests_stop_token(tokenizer):
+    stop = tokenizer.decode([41])
+    f = frontend(tokenizer, lambda r, n: [TokenEvent([40]), TokenEvent([41])])
+    (*_, last) = collect(f, [req(stop=[stop])], 1)
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop)
+    # A stop token of the request's: its id; EOS: none (vLLM's stop_reason).
+    for token, want in ((77, 77), (EOS, None)):
+        f = frontend(tokenizer, lambda r, n, t=token: [TokenEvent([40, t]),
+                                                       FinishEvent("stop", 2, 2, 0)])
+        (*_, last) = collect(f, [req(stop_token_ids=[77])], 1)
+        assert (last.finish_reason, last.stop_reason) == ("stop", want)

@@ -54,6 +54,13 @@ def test_completion_logprobs_offsets_and_top():
     assert out["top_logprobs"] == [{"llo": -0.25, "he": -0.5}, {"llo": -1.0}]
 
 
+def test_completion_top_logprobs_start_with_the_chosen_token():
+    # vLLM's clients read the chosen token as the first key, also when it is not the top.
+    out = completion_logprobs([lp(7, -2.0, (5, -0.1), (6, -0.2))], text_of, 0, top_n=2)
+    assert list(out["top_logprobs"][0]) == [" wé", "he", "llo"]
+    assert out["top_logprobs"][0][" wé"] == -2.0
+
+
 def test_chat_logprobs_carry_bytes_and_alternatives():
     out = chat_logprobs([lp(7, -0.125, (8, -2.0))], text_of)
     assert out == {"refusal": None, "content": [{
@@ -140,6 +147,9 @@ def test_prompt_logprobs_are_vllms_shape():
     assert out == [None, {"6": {"logprob": -0.5, "rank": 1, "decoded_token": "llo"}},
                    {"7": {"logprob": -2.0, "rank": 3, "decoded_token": " wé"},
                     "8": {"logprob": -0.125, "rank": 1, "decoded_token": "x"}}]
+    # The prompt's token leads its entry even when it is among the top ones (vLLM's order).
+    (entry,) = prompt_logprobs_json([lp(7, -1.0, (6, -0.5), (7, -1.0))], text_of, 2)[1:]
+    assert list(entry) == ["7", "6"] and entry["7"]["rank"] == 2
 
 
 def chat_shaper(logprobs=False, **fields):
@@ -171,7 +181,8 @@ def test_chat_body_shape_with_logprobs():
     assert body["object"] == "chat.completion"
     (choice,) = body["choices"]
     assert choice["message"] == {"role": "assistant", "content": "he", "refusal": None,
-                                 "reasoning_content": None}
+                                 "annotations": None, "audio": None, "function_call": None,
+                                 "tool_calls": None, "reasoning_content": None}
     assert choice["finish_reason"] == "length"
     assert [e["token"] for e in choice["logprobs"]["content"]] == ["he"]
     assert body["usage"]["prompt_tokens"] == 4
@@ -191,7 +202,7 @@ def test_a_required_tool_call_becomes_tool_calls():
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == ""
     cut = s.body([OutputChunk([5], out[:30], [], "length", Usage(1, 1, 0))], Usage(1, 1, 0))
-    assert "tool_calls" not in cut["choices"][0]["message"]  # cut short: no call
+    assert cut["choices"][0]["message"]["tool_calls"] is None  # cut short: no call
     assert cut["choices"][0]["message"]["content"] == ""
 
 

@@ -13,6 +13,7 @@ from router.openai.errors import ApiError, RequestError
 from router.openai.schemas import (
     IgnoredFields,
     ServedModel,
+    Truncation,
     check_prompt_ids,
     parse_chat,
     parse_completion,
@@ -78,8 +79,11 @@ def test_bad_prompts_name_the_prompt(prompt):
 
 
 def test_missing_prompt_is_an_error():
-    with pytest.raises(RequestError, match="prompt is required"):
-        parse_completion({"model": "tiny"}, MODEL)
+    # vLLM's words, which its clients and tests match on.
+    for body in ({"model": "tiny"}, {"prompt": []}, {"prompt": ""}):
+        with pytest.raises(RequestError, match="Either prompt or prompt_embeds must be "
+                                               "provided and non-empty"):
+            parse_completion(body, MODEL)
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -108,7 +112,8 @@ def test_missing_prompt_is_an_error():
     ({"stream": "yes"}, "stream"),
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"use_beam_search": True}, "use_beam_search"),
+    ({"use_beam_search": True, "n": 11}, "n"),
+    ({"use_beam_search": True, "structured_outputs": {"regex": "a+"}}, "use_beam_search"),
     ({"suffix": "x"}, "suffix"),
 ])
 def test_invalid_completion_fields_are_named(fields, param):
@@ -145,7 +150,7 @@ def test_vllm_extras_are_accepted_and_honoured():
                      request_id="abc", use_beam_search=False, add_special_tokens=False,
                      spaces_between_special_tokens=True, length_penalty=1.0)
     assert (req.out.skip_special_tokens, req.out.return_token_ids) == (False, True)
-    assert (req.out.tokens_as_ids, req.truncate_prompt_tokens) == (True, 4)
+    assert (req.out.tokens_as_ids, req.truncation) == (True, Truncation(4, left=True))
     assert (req.out.request_id, req.add_special_tokens) == ("abc", False)
 
 
@@ -298,10 +303,85 @@ def test_a_body_that_is_not_an_object_is_refused():
 
 @pytest.mark.parametrize("ids, max_tokens, match", [
     ([], None, "empty"), ([1, 512], None, "out of vocabulary"),
-    ([-1], None, "out of vocabulary"), ([3] * 128, None, "context"),
+    ([-1], None, "out of vocabulary"),
+    ([3] * 128, None, "maximum context length is 128 tokens. However, your request has 128"),
     ([3] * 100, 50, "maximum context length is 128"),
 ])
 def test_prompt_ids_must_fit_the_model(ids, max_tokens, match):
     with pytest.raises(RequestError, match=match) as err:
         check_prompt_ids(ids, MODEL, "prompt", max_tokens)
     assert err.value.param == "prompt"
+
+
+@pytest.mark.parametrize("fields, want", [
+    ({}, None), ({"truncate_prompt_tokens": 4}, Truncation(4, True)),
+    ({"truncate_prompt_tokens": 4, "truncation_side": "right"}, Truncation(4, False)),
+    ({"truncate_prompt_tokens": -1}, Truncation(128, True)),  # -1: the model's context
+])
+def test_prompt_truncation_as_vllm_takes_it(fields, want):
+    assert completion(**fields).truncation == want
+    assert chat(**fields).truncation == want
+
+
+def test_truncation_keeps_the_chosen_side():
+    ids = list(range(8))
+    assert Truncation(4, left=True).apply(ids) == [4, 5, 6, 7]
+    assert Truncation(4, left=False).apply(ids) == [0, 1, 2, 3]
+    assert Truncation(10).apply(ids) == ids
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 4, "truncation_side": "middle"}, "truncation_side"),
+])
+def test_bad_truncation_is_a_400_naming_the_field(fields, param):
+    assert param_of(completion, **fields) == param
+
+
+def test_max_logprobs_lowers_the_logprob_limits():
+    model = ServedModel(id="tiny", max_model_len=128, vocab_size=512, created=1,
+                        max_logprobs=2)
+    parse_completion({"prompt": "hi", "logprobs": 2}, model)
+    for body in ({"prompt": "hi", "logprobs": 3}, {"prompt": "hi", "prompt_logprobs": 3}):
+        with pytest.raises(RequestError, match="less than or equal to 2"):
+            parse_completion(body, model)
+    with pytest.raises(RequestError, match="less than or equal to 2"):
+        parse_chat({"messages": USER, "logprobs": True, "top_logprobs": 3}, model)
+
+
+def test_allowed_token_ids_and_bad_words_are_read_and_checked():
+    req = completion(allowed_token_ids=[1, 2], bad_words=["foo", " "])
+    assert req.params.allowed_token_ids == (1, 2) and req.bad_words == ("foo",)
+    assert chat(bad_words=["x"]).bad_words == ("x",)
+    for fields in ({"allowed_token_ids": []}, {"allowed_token_ids": [600]},
+                   {"allowed_token_ids": "1"}):
+        assert param_of(completion, **fields) == "allowed_token_ids"
+    assert param_of(completion, bad_words=[1]) == "bad_words"
+
+
+def test_bad_words_are_tokenized_as_vllm_does(tmp_path):
+    from pdserve.demo_model import write_tokenizer_files
+    from pdserve.tokenizer import Tokenizer
+    from router.openai.generation import bad_words_token_ids
+
+    tok = Tokenizer.from_pretrained(write_tokenizer_files(tmp_path, 512))
+    seqs = bad_words_token_ids(tok, ["hello"])
+    assert seqs[0] == tuple(tok.encode("hello", add_special_tokens=False))
+    for seq in seqs[1:]:  # the mid-text spelling, when it differs
+        assert seq == tuple(tok.encode(" hello", add_special_tokens=False))
+
+
+def test_priority_zero_is_fcfs_and_any_other_is_vllms_400():
+    completion(priority=0)
+    with pytest.raises(RequestError, match="Priority scheduling is not enabled") as err:
+        chat(priority=5)
+    assert err.value.param == "priority"
+
+
+def test_max_tokens_beyond_the_context_is_vllms_message():
+    for fn, field in ((completion, "max_tokens"), (chat, "max_completion_tokens")):
+        with pytest.raises(RequestError, match="is too large: 129. This model's maximum "
+                                               "context length is 128 tokens") as err:
+            fn(**{field: 129})
+        assert err.value.param == field

@@ -79,8 +79,12 @@ def test_grpc_and_http_refuse_the_same_max_tokens():
     with pytest.raises(RequestError, match="max_tokens must be <= the model's context"):
         check_generate(req, LIMITS, "tiny")
     model = ServedModel("tiny", LIMITS.max_model_len, LIMITS.vocab_size, 0)
-    with pytest.raises(RequestError, match="max_tokens must be <= the model's context"):
+    # The same limit over HTTP, in vLLM's words (its clients match on them).
+    with pytest.raises(RequestError, match="'max_tokens' or 'max_completion_tokens' is too "
+                                           "large") as err:
         parse_completion({"prompt": "hi", "max_tokens": 10**9}, model)
+    assert err.value.param == "max_tokens"
+    parse_completion({"prompt": "hi", "max_tokens": LIMITS.max_model_len}, model)
 
 
 def test_grpc_request_checks_name_the_field():

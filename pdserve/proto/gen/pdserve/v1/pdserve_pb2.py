@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xf9\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcb\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xee\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"\x13\n\x11ListModelsRequest\"N\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\x9f\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc7\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x05 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\n \x01(\x04H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x12\n\nignore_eos\x18\r \x01(\x08\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\n\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x30\n\nstructured\x18\x12 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x19\n\x11\x61llowed_token_ids\x18\x13 \x03(\r\x12\x31\n\x13\x62\x61\x64_words_token_ids\x18\x14 \x03(\x0b\x32\x14.pdserve.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\xcb\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x18\n\x0estructural_tag\x18\x06 \x01(\tH\x00\x12\x16\n\x0e\x61ny_whitespace\x18\x07 \x01(\x08\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xee\x01\n\nChatPrompt\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\x12\x1f\n\x05tools\x18\x02 \x03(\x0b\x32\x10.pdserve.v1.Tool\x12\x13\n\x0btool_choice\x18\x03 \x01(\t\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x00\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x05 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x06 \x01(\tB\x18\n\x16_add_generation_prompt\"z\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12(\n\ntool_calls\x18\x04 \x03(\x0b\x32\x14.pdserve.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"<\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\"\xda\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12&\n\x04\x63hat\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.ChatPromptH\x00\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\t\n\x01n\x18\x06 \x01(\rB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"r\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\x12\x11\n\x04rank\x18\x04 \x01(\rH\x00\x88\x01\x01\x42\x07\n\x05_rank\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xb2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12*\n\x08logprobs\x18\x04 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12 \n\x05usage\x18\x06 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12\r\n\x05index\x18\x07 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12(\n\ntool_calls\x18\t \x03(\x0b\x32\x14.pdserve.v1.ToolCall\"\x13\n\x11ListModelsRequest\"N\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x0c\n\x04root\x18\x04 \x01(\t\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard*\x96\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x04\x32\x9f\x01\n\x07PDServe\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,42 +33,42 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2498
-  _globals['_FINISHREASON']._serialized_end=2648
+  _globals['_FINISHREASON']._serialized_start=2576
+  _globals['_FINISHREASON']._serialized_end=2726
   _globals['_TOKENIDS']._serialized_start=40
   _globals['_TOKENIDS']._serialized_end=63
   _globals['_SAMPLINGPARAMS']._serialized_start=66
-  _globals['_SAMPLINGPARAMS']._serialized_end=827
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=595
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=643
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=830
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1033
-  _globals['_CHOICES']._serialized_start=1035
-  _globals['_CHOICES']._serialized_end=1061
-  _globals['_CHATPROMPT']._serialized_start=1064
-  _globals['_CHATPROMPT']._serialized_end=1302
-  _globals['_CHATMESSAGE']._serialized_start=1304
-  _globals['_CHATMESSAGE']._serialized_end=1426
-  _globals['_TOOL']._serialized_start=1428
-  _globals['_TOOL']._serialized_end=1494
-  _globals['_TOOLCALL']._serialized_start=1496
-  _globals['_TOOLCALL']._serialized_end=1556
-  _globals['_GENERATEREQUEST']._serialized_start=1559
-  _globals['_GENERATEREQUEST']._serialized_end=1777
-  _globals['_TOPLOGPROB']._serialized_start=1779
-  _globals['_TOPLOGPROB']._serialized_end=1826
-  _globals['_TOKENLOGPROB']._serialized_start=1828
-  _globals['_TOKENLOGPROB']._serialized_end=1942
-  _globals['_USAGE']._serialized_start=1944
-  _globals['_USAGE']._serialized_end=2024
-  _globals['_GENERATERESPONSE']._serialized_start=2027
-  _globals['_GENERATERESPONSE']._serialized_end=2333
-  _globals['_LISTMODELSREQUEST']._serialized_start=2335
-  _globals['_LISTMODELSREQUEST']._serialized_end=2354
-  _globals['_MODELCARD']._serialized_start=2356
-  _globals['_MODELCARD']._serialized_end=2434
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2436
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2495
-  _globals['_PDSERVE']._serialized_start=2651
-  _globals['_PDSERVE']._serialized_end=2810
+  _globals['_SAMPLINGPARAMS']._serialized_end=905
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=673
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=721
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=908
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1111
+  _globals['_CHOICES']._serialized_start=1113
+  _globals['_CHOICES']._serialized_end=1139
+  _globals['_CHATPROMPT']._serialized_start=1142
+  _globals['_CHATPROMPT']._serialized_end=1380
+  _globals['_CHATMESSAGE']._serialized_start=1382
+  _globals['_CHATMESSAGE']._serialized_end=1504
+  _globals['_TOOL']._serialized_start=1506
+  _globals['_TOOL']._serialized_end=1572
+  _globals['_TOOLCALL']._serialized_start=1574
+  _globals['_TOOLCALL']._serialized_end=1634
+  _globals['_GENERATEREQUEST']._serialized_start=1637
+  _globals['_GENERATEREQUEST']._serialized_end=1855
+  _globals['_TOPLOGPROB']._serialized_start=1857
+  _globals['_TOPLOGPROB']._serialized_end=1904
+  _globals['_TOKENLOGPROB']._serialized_start=1906
+  _globals['_TOKENLOGPROB']._serialized_end=2020
+  _globals['_USAGE']._serialized_start=2022
+  _globals['_USAGE']._serialized_end=2102
+  _globals['_GENERATERESPONSE']._serialized_start=2105
+  _globals['_GENERATERESPONSE']._serialized_end=2411
+  _globals['_LISTMODELSREQUEST']._serialized_start=2413
+  _globals['_LISTMODELSREQUEST']._serialized_end=2432
+  _globals['_MODELCARD']._serialized_start=2434
+  _globals['_MODELCARD']._serialized_end=2512
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2514
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2573
+  _globals['_PDSERVE']._serialized_start=2729
+  _globals['_PDSERVE']._serialized_end=2888
 # @@protoc_insertion_point(module_scope)
