@@ -183,13 +183,21 @@ def test_int4_experts_equal_the_fp32_path_on_their_dequantised_weights(request, 
     blocks = [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
     assert all(m.gate.weight.dtype == torch.float32 for m in blocks)  # the router stays fp32
     assert _dequantised_copy(q, dense) == len(experts)
-    prompts = random_prompts([7, 40], VOCAB, seed=21)
-    for p in prompts:
-        want, got = dense.engine.prompt_logits(p), q.engine.prompt_logits(p)
-        assert ((got - want).norm() / want.norm()).item() < 0.02
-    assert greedy_ids(q, prompts, GREEDY.max_tokens) == greedy_ids(dense, prompts,
-                                                                   GREEDY.max_tokens)
+    rel = torch.cat([_relative_error(q, dense, p) for p in random_prompts([7, 40], VOCAB,
+                                                                           seed=21)])
+    # Measured medians 0.7-1.3%, 90th percentiles 1-2.5%, except where a bf16 rounding of a
+    # router input flips a near-tied choice (Qwen2-MoE, position 21 of 40: softmax margin
+    # 0.0026): that token runs another expert (39%) and later ones attend to it (q90 4.3%).
+    # Wrong weights anywhere would put every position far above these.
+    assert rel.median() < 0.02 and rel.quantile(0.9) < 0.06, rel
+    assert len(q.generate(random_prompts([9], VOCAB, seed=2), GREEDY)[0].token_ids) == 8
     assert_idle(q)
+
+
+def _relative_error(q: LLM, ref: LLM, prompt: list[int]) -> torch.Tensor:
+    """Per prompt position: |q's logits - ref's| / |ref's|."""
+    want, got = ref.engine.prompt_logits(prompt), q.engine.prompt_logits(prompt)
+    return (got - want).norm(dim=-1) / want.norm(dim=-1)
 
 
 # -- a model whose experts decide the argmax -------------------------------------------------
@@ -207,6 +215,17 @@ def bigram_moe(tmp_path_factory):
 @pytest.fixture(scope="module")
 def int4_moe(bigram_moe):
     return LLM(str(bigram_moe), num_gpu_blocks=40, quantization="int4")
+
+
+def test_greedy_int4_moe_equals_the_fp32_path_on_its_dequantised_weights(bigram_moe, int4_moe):
+    """Random-init logits are nearly tied (see make_bigram), so greedy equality under bf16
+    activations is checked where the experts decide the argmax."""
+    dense = LLM(str(bigram_moe), num_gpu_blocks=40)
+    assert _dequantised_copy(int4_moe, dense) == 1  # layer 0 MoE, layer 1 dense
+    prompts = random_prompts([4, 23, 61], VOCAB, seed=31)
+    assert greedy_ids(int4_moe, prompts, 12) == greedy_ids(dense, prompts, 12)
+    rel = _relative_error(int4_moe, dense, prompts[2])
+    assert rel.median() < 0.02 and rel.max() < 0.06, rel
 
 
 def test_expert_weights_are_held_at_4_bits(int4_moe):
@@ -310,3 +329,12 @@ def test_a_4bit_moe_checkpoint_with_dense_experts_is_refused(tiny_qwen2_moe, tmp
     with pytest.raises(ValueError, match="expert 2 w3 .*mixed-precision checkpoints are not "
                                          "supported"):
         LLM(str(tmp_path / "q"), dtype="float32", num_gpu_blocks=8)
+
+
+@pytest.mark.timeout(300)
+def test_an_engine_whose_tp_degree_splits_an_expert_group_is_refused(tiny_qwen2_moe):
+    """Qwen2-MoE's 32-wide experts and 64-wide shared expert quantise in groups of 32 / 64;
+    TP=2 would give each rank half a group of their down projections."""
+    with pytest.raises(ValueError, match="tensor parallelism 2.*split a group of (32|64)"):
+        LLM(str(tiny_qwen2_moe), dtype="float32", num_gpu_blocks=8, quantization="int4",
+            tensor_parallel_size=2)
