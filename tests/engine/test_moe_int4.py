@@ -251,10 +251,14 @@ def test_int4_moe_keeps_top1_predictions_of_the_fp32_model(bigram_moe, int4_moe)
     succ = torch.tensor(json.loads((bigram_moe / "successors.json").read_text()))
     ids = torch.tensor([t for p in prompts for t in p])
     assert (ref.argmax(-1) == succ[ids]).float().mean() > 0.8  # the 4-bit experts decide
-    # As the dense int4 test (measured 0.996 there): a 4-bit group keeps ~16 levels, so a
-    # logit moves by a few percent and only near-ties flip.
+    # Measured 0.990 (the dense int4 test: 0.996): only near-ties flip.
     agreement = (ref.argmax(-1) == q.argmax(-1)).float().mean().item()
     assert agreement >= 0.98, agreement
+    # Relative logit error, measured 11% on average (23% at worst): min/max groups of 128
+    # near-Gaussian weights span ~5.2 sigma in 15 steps, so rounding leaves an rms error of
+    # step / sqrt(12) ~ 0.1 sigma per weight, ~10% of each 4-bit layer's output.
+    rel = (q - ref).norm(dim=-1) / (ref - ref.mean(-1, keepdim=True)).norm(dim=-1)
+    assert rel.mean() < 0.15 and rel.max() < 0.4, (rel.mean(), rel.max())
 
 
 @pytest.mark.timeout(300)
