@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.layers.moe import FusedExperts, run_grouped, run_per_token
-from pdserve.engine.layers.moe_block import SparseMoeBlock
+from pdserve.engine.layers.moe_block import GateLinear, SparseMoeBlock
 from pdserve.engine.layers.router import select_experts
 from pdserve.engine.moe_config import RoutingConfig
 from pdserve.engine.parallel import SINGLE, ParallelContext
@@ -344,3 +344,10 @@ def test_an_engine_whose_tp_degree_splits_an_expert_group_is_refused(tiny_qwen2_
     with pytest.raises(ValueError, match="tensor parallelism 2.*split a group of (32|64)"):
         LLM(str(tiny_qwen2_moe), dtype="float32", num_gpu_blocks=8, quantization="int4",
             tensor_parallel_size=2)
+
+
+def test_a_4bit_router_is_refused():
+    """A GPTQ / AWQ file that quantised the router would reach it as an `Int4Weight`."""
+    gate = GateLinear(64, 32)
+    with pytest.raises(ValueError, match="4-bit router .*not supported, these stay fp32"):
+        gate.weight_loader(gate.weight, _random_int4(32, 64, 32, seed=0))
