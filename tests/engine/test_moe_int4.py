@@ -10,8 +10,10 @@ Error bounds, and why (the dense ones of test_int4_linear.py, per expert):
   expert's SwiGLU output (two kernels, one bf16 rounding of silu(gate) * up between them) is
   within ~2^-7 of its largest value: we assert 2^-6;
 - a whole model against its dequantised dense self differs by those bf16 activations in every
-  4-bit layer only (each ~0.4% relative, not compounding much over two layers): logits within
-  2% relative (as the MLA int4 test); greedy tokens equal on the prompts below.
+  4-bit layer only: per position, logits within 2% relative at the median (as the MLA int4
+  test), with room for the few positions where that rounding flips a near-tied router choice
+  (then a token runs another expert); greedy tokens are compared where logits are decisive
+  (the bigram MoE), since random-init logits are nearly tied.
 """
 
 from __future__ import annotations
@@ -122,7 +124,7 @@ def test_a_tensor_parallel_rank_takes_its_slice_of_every_expert():
     layer, method = _int4_experts(64, 128, EP2_RANK1)  # expert parallel: experts 2 and 3 whole
     _load(layer, mats)
     method.finalize(layer)
-    assert len(method._w13) == 2
+    assert layer.num_local == 2 and layer.expert_start == 2
     _check(method.dequantize(1)[1], mats[3, "w2"])
 
 
