@@ -20,7 +20,7 @@ from pdserve.engine.quant.checkpoint import resolve_quantization
 from pdserve.engine.quant.hf_int4 import HfInt4Format, adapt_hf_int4_checkpoint
 from pdserve.engine.quant.int4_scheme import Int4Scheme
 from pdserve.engine.quant.int4_weight import Int4Weight
-from tests.helpers.checkpoints import VOCAB, save_tiny
+from tests.helpers.checkpoints import VOCAB
 from tests.helpers.engine import random_prompts
 from tests.helpers.int4_checkpoints import write_dense_copy, write_int4_checkpoint
 
@@ -148,9 +148,3 @@ def test_scheme_comes_from_the_checkpoint_and_a_contradicting_request_is_refused
     assert resolve_quantization("int4", plain).key == "int4-g128"
     with pytest.raises(ValueError, match="quantization must be"):
         resolve_quantization("int3", plain)
-
-
-def test_int4_on_a_moe_model_is_refused_by_name(tmp_path):
-    moe = save_tiny(tmp_path / "moe", "mixtral", seed=1)
-    with pytest.raises(ValueError, match="'int4' does not support MoE expert layers"):
-        LLM(str(moe), num_gpu_blocks=8, quantization="int4")

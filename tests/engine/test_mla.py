@@ -202,8 +202,8 @@ def test_mla_under_the_cpu_kernel_backend_equals_the_torch_path(tiny_deepseek_v2
 
 @pytest.fixture(scope="module")
 def dense_mla(tmp_path_factory):
-    """Every layer dense (int4 does not cover MoE experts) and a q bottleneck 4-bit groups
-    divide."""
+    """Every layer dense (MLA's projections alone; int4 MoE experts are
+    tests/engine/test_moe_int4.py's) and a q bottleneck 4-bit groups divide."""
     from tests.helpers.checkpoints import save_tiny
 
     return save_tiny(tmp_path_factory.mktemp("dense_mla"), "deepseek_v3", seed=9,
@@ -234,11 +234,6 @@ def test_int4_weights_on_mla_equal_their_dequantised_dense_model(dense_mla):
     assert rel < 0.02
     assert len(q.generate([prompt], GREEDY)[0].token_ids) == GREEDY.max_tokens
     assert_idle(q)
-
-
-def test_int4_on_an_mla_moe_model_is_refused_by_name(tiny_deepseek_v2):
-    with pytest.raises(ValueError, match="'int4' does not support MoE expert layers"):
-        LLM(str(tiny_deepseek_v2), dtype="float32", num_gpu_blocks=8, quantization="int4")
 
 
 def test_forked_choices_copy_latent_blocks(tiny_deepseek_v2):

@@ -9,12 +9,11 @@ pushes towards the LM-head row of succ[x]): the quantised experts decide most ar
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from pdserve.engine import LLM
 from pdserve.engine.layers.moe import FusedExperts, run_grouped
@@ -23,7 +22,7 @@ from pdserve.engine.moe_config import RoutingConfig
 from pdserve.engine.quant.fp8 import FP8_DTYPE, dequantize_rows, quantize_rows
 from pdserve.engine.quant.fp8_experts import Fp8ExpertsMethod
 from tests.engine.test_fp8_linear import write_fp8_checkpoint
-from tests.helpers.checkpoints import VOCAB, save_tiny
+from tests.helpers.checkpoints import VOCAB, make_bigram_experts, save_tiny
 from tests.helpers.engine import random_prompts
 
 EXPERTS = 4
@@ -56,30 +55,12 @@ def test_fp8_experts_compute_the_quantised_math():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
 
 
-def _make_bigram_experts(model_dir: Path, push: float = 4.0, seed: int = 0) -> None:
-    """Every layer-0 expert becomes the same lookup: neuron x fires ~silu(8) * 8 = 64 for
-    token x (gate = up = half its unit embedding) and pushes towards head row succ[x]."""
-    path = model_dir / "model.safetensors"
-    w = load_file(str(path))
-    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
-    succ = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
-    unit = emb / emb.norm(dim=1, keepdim=True)
-    head_unit = head / head.norm(dim=1, keepdim=True)
-    for e in range(EXPERTS):
-        prefix = f"model.layers.0.block_sparse_moe.experts.{e}."
-        assert w[prefix + "w1.weight"].shape[0] == emb.shape[0]  # one neuron per token
-        w[prefix + "w1.weight"], w[prefix + "w3.weight"] = 0.5 * unit, 0.5 * unit
-        w[prefix + "w2.weight"] = (push / 64) * head_unit[succ].t().contiguous()
-    save_file(w, str(path), metadata={"format": "pt"})
-    (model_dir / "successors.json").write_text(json.dumps(succ.tolist()))
-
-
 @pytest.fixture(scope="module")
 def bigram_moe(tmp_path_factory):
     d = save_tiny(tmp_path_factory.mktemp("fp8_moe"), "mixtral", seed=5, hidden_size=256,
                   intermediate_size=VOCAB, num_attention_heads=8, num_key_value_heads=4,
                   num_local_experts=EXPERTS)
-    _make_bigram_experts(d)
+    make_bigram_experts(d, "mixtral", EXPERTS)
     return d
 
 

@@ -158,3 +158,28 @@ def make_bigram(model_dir: Path, push: float = 4.0, seed: int = 0) -> None:
     w["model.layers.0.mlp.down_proj.weight"] = (push / 64) * head_unit[succ].t().contiguous()
     save_file(w, str(path), metadata={"format": "pt"})
     (model_dir / "successors.json").write_text(json.dumps(succ.tolist()))
+
+
+_EXPERT_NAMES = {"mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+                 "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj")}
+
+
+def make_bigram_experts(model_dir: Path, family: str, experts: int, push: float = 4.0,
+                        seed: int = 0) -> None:
+    """`make_bigram` for an MoE checkpoint: every layer-0 routed expert becomes the same
+    lookup (so whichever experts a token picks, token x pushes towards the LM-head row of
+    succ[x]); needs the expert width to equal the vocabulary."""
+    block, gate, up, down = _EXPERT_NAMES[family]
+    path = model_dir / "model.safetensors"
+    w = load_file(str(path))
+    emb, head = w["model.embed_tokens.weight"], w["lm_head.weight"]
+    succ = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(seed))
+    unit = emb / emb.norm(dim=1, keepdim=True)
+    head_unit = head / head.norm(dim=1, keepdim=True)
+    for e in range(experts):
+        prefix = f"model.layers.0.{block}.experts.{e}."
+        assert w[prefix + f"{gate}.weight"].shape[0] == emb.shape[0]  # one neuron per token
+        w[prefix + f"{gate}.weight"], w[prefix + f"{up}.weight"] = 0.5 * unit, 0.5 * unit
+        w[prefix + f"{down}.weight"] = (push / 64) * head_unit[succ].t().contiguous()
+    save_file(w, str(path), metadata={"format": "pt"})
+    (model_dir / "successors.json").write_text(json.dumps(succ.tolist()))

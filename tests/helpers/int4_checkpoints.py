@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "w1", "w2", "w3")  # w1/w2/w3: Mixtral's experts
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -101,7 +102,7 @@ def write_int4_checkpoint(src: Path, dst: Path, method: str, group: int = 32,
         # Act order follows the layer input's statistics, so q/k/v (and gate/up), which read
         # the same input, share one order, as in a GPTQ checkpoint.
         shared = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj")
-        shared = shared.replace("up_proj", "gate_proj")
+        shared = shared.replace("up_proj", "gate_proj").replace(".w3.", ".w1.")
         if desc_act and shared not in perms:
             perms[shared] = torch.randperm(t.shape[1], generator=gen)
         perm = perms.get(shared)

@@ -15,7 +15,9 @@ expert's partial and all-reduces once.
 `forward` runs the grouped path: the (token, choice) pairs are sorted by expert and each
 expert runs once per step over all of its tokens. `run_per_token` is the per-token loop
 (the reference the grouped path is tested and benchmarked against). The matmuls go through
-`self.method` (an `ExpertsMethod`), so FP8 swaps only the method, like `LinearMethod`.
+`self.method` (an `ExpertsMethod`), so FP8 and W4A16 swap only the method, like
+`LinearMethod`; loading does too (`weight_loader` works out this rank's `Shard` of each
+expert matrix, the method decides how it is stored).
 """
 
 from __future__ import annotations
@@ -24,13 +26,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.layers.linear import Loaded, Shard
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.int4_weight import Int4Weight
 
 IMPLS = ("grouped", "per_token")
 
 
 class ExpertsMethod:
-    """How one expert multiplies: plain stacked weights here; quantisation overrides this."""
+    """How experts store and multiply their weights: plain stacked weights here; quantisation
+    overrides this. `prepare` runs once before loading, `load` receives each expert matrix
+    (or FP8 scale column) with this rank's `Shard` of it, `finalize` once after loading."""
+
+    def prepare(self, layer: FusedExperts) -> None:
+        """Called once before loading (give the layer the parameters this scheme loads)."""
+
+    def load(self, layer: FusedExperts, param: nn.Parameter, local: int, part: str,
+             loaded: Loaded, shard: Shard | None) -> None:
+        """Expert `local`'s `part` ("w1" gate, "w3" up, "w2" down) into its slot of `param`."""
+        piece = loaded if shard is None else shard.take(loaded)
+        if isinstance(piece, Int4Weight):  # a 4-bit checkpoint loaded into a dense model
+            piece = piece.dequantize(param.dtype)
+        dst = param.data[local]
+        dest_row = 0 if shard is None else shard.dest_row
+        dst.narrow(0, dest_row, piece.shape[0]).copy_(piece)
 
     def gate_up(self, layer: FusedExperts, expert: int, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.w13_weight[expert])
@@ -74,25 +93,25 @@ class FusedExperts(nn.Module):
         self._loaded: set[tuple[int, int, str]] = set()  # (id(param), local expert, part)
 
     # -- loading ---------------------------------------------------------------------------
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded,
                       shard_id: tuple[int, str]) -> None:
-        """Copy expert `e`'s `part` ("w1" gate, "w3" up, "w2" down) into this rank's slot:
-        a matrix [N, K] or, for FP8 checkpoints, its [N, 1] scale column."""
+        """Hand expert `e`'s `part` ("w1" gate, "w3" up, "w2" down) to the method with this
+        rank's slice of it: a matrix [N, K] (dense or `Int4Weight`) or, for FP8 checkpoints,
+        its [N, 1] scale column."""
         expert, part = shard_id
         local = expert - self.expert_start
         if not 0 <= expert < self.num_experts or part not in ("w1", "w2", "w3"):
             raise ValueError(f"expert weight {shard_id} outside {self.num_experts} experts")
         if not 0 <= local < self.num_local:
             return  # another expert-parallel rank owns it
-        dst = param.data[local]
-        if part == "w2":
-            if param is self.w2_weight:  # a scale column has every output row, unsplit
-                loaded = loaded.narrow(1, self._shard_offset(), self.intermediate)
-            dst.copy_(loaded)
+        rows = self.intermediate
+        if part != "w2":  # gate rows, then up rows, each this rank's slice
+            shard = Shard(0, self._shard_offset(), rows, dest_row=0 if part == "w1" else rows)
+        elif param is self.w2_weight:  # a scale column has every output row, unsplit
+            shard = Shard(1, self._shard_offset(), rows)
         else:
-            rows = self.intermediate
-            src = loaded.narrow(0, self._shard_offset(), rows)
-            dst.narrow(0, 0 if part == "w1" else rows, rows).copy_(src)
+            shard = None
+        self.method.load(self, param, local, part, loaded, shard)
         self._loaded.add((id(param), local, part))
 
     def _shard_offset(self) -> int:

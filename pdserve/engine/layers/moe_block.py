@@ -17,11 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pdserve.engine.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from pdserve.engine.layers.linear import Loaded, MergedColumnParallelLinear, RowParallelLinear
 from pdserve.engine.layers.moe import FusedExperts
 from pdserve.engine.layers.router import select_experts
 from pdserve.engine.moe_config import MoEConfig
 from pdserve.engine.parallel import SINGLE, ParallelContext
+from pdserve.engine.quant.int4_weight import Int4Weight
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<e>\d+)\.(?P<part>\w+)\."
                             r"(?P<kind>weight|weight_scale)$")
@@ -55,6 +56,16 @@ class GateLinear(nn.Module):
         self.e_score_correction_bias = (
             nn.Parameter(torch.zeros(out_features, dtype=torch.float32), requires_grad=False)
             if correction_bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id=None) -> None:
+        if isinstance(loaded, Int4Weight):
+            raise ValueError("the checkpoint holds a 4-bit router (or shared-expert gate): "
+                             "not supported, these stay fp32 (a routing flip costs more than "
+                             "their bytes save)")
+        if tuple(loaded.shape) != tuple(param.shape):
+            raise ValueError(f"router tensor of shape {list(loaded.shape)}, expected "
+                             f"{list(param.shape)}")
+        param.data.copy_(loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight)

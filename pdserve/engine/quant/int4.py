@@ -68,32 +68,20 @@ class Int4LinearMethod(LinearMethod):
         if param is not layer.weight:  # the bias stays dense
             super().load(layer, param, loaded, shard)
             return
-        try:
-            piece = self._to_int4(loaded, shard).to(param.device)
-        except ValueError as e:
-            tp = getattr(layer, "tp", None)
-            raise ValueError(f"4-bit layer with {loaded.shape[1]} input features, tensor "
-                             f"parallelism {tp.size if tp else 1}: {e}") from None
+        tp = getattr(layer, "tp", None)
+        piece = int4_part(loaded, shard, self.group_size, self.accept_dense,
+                          f"4-bit layer with {loaded.shape[1]} input features, tensor "
+                          f"parallelism {tp.size if tp else 1}").to(param.device)
         row = 0 if shard is None else shard.dest_row
         if row in self._parts:
             raise ValueError(f"rows from {row} of a 4-bit layer were loaded twice")
         self._parts[row] = piece
 
-    def _to_int4(self, loaded: Loaded, shard: Shard | None) -> Int4Weight:
-        if isinstance(loaded, Int4Weight):
-            return (loaded if shard is None else shard.take(loaded)).contiguous()
-        if not self.accept_dense:
-            raise ValueError(f"a 4-bit checkpoint holds a dense {list(loaded.shape)} weight for "
-                             "a linear layer: mixed-precision checkpoints are not supported")
-        g = default_group_size(loaded.shape[1], self.group_size)  # the full width, not a shard
-        if shard is not None and shard.dim == 1:
-            check_group_aligned(shard.start, shard.length, g)
-        return quantize_int4(loaded if shard is None else shard.take(loaded), g)
-
     def finalize(self, layer: nn.Module) -> None:
         dtype = self._dtype or layer.weight.dtype
         if self._parts:
-            weight = self._assemble(layer)
+            weight = stack_row_parts(self._parts, layer.out_features, layer.in_features,
+                                     "4-bit layer")
         else:
             dense = layer.weight.data
             weight = quantize_int4(dense, default_group_size(dense.shape[1], self.group_size))
@@ -104,24 +92,6 @@ class Int4LinearMethod(LinearMethod):
         self._dtype = dtype
         if self.from_dense and not self.keep_dense:
             release_dense(layer)
-
-    def _assemble(self, layer: nn.Module) -> Int4Weight:
-        rows, k = layer.out_features, layer.in_features
-        parts, at = [], 0
-        for start in sorted(self._parts):
-            part = self._parts[start]
-            if start != at:
-                raise ValueError(f"4-bit layer [{rows}, {k}]: rows {at}..{start - 1} were "
-                                 "never loaded")
-            if part.shape[1] != k:
-                raise ValueError(f"4-bit layer expects {k} input features, a part has "
-                                 f"{part.shape[1]}")
-            parts.append(part)
-            at += part.shape[0]
-        if at != rows:
-            raise ValueError(f"4-bit layer [{rows}, {k}]: rows {at}..{rows - 1} were never "
-                             "loaded")
-        return Int4Weight.cat_rows(parts)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
@@ -148,3 +118,39 @@ def release_dense(layer: nn.Module) -> None:
     layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device),
                                 requires_grad=False)
 
+
+def int4_part(loaded: Loaded, shard: Shard | None, group_size: int, accept_dense: bool,
+              what: str) -> Int4Weight:
+    """This rank's slice of one checkpoint weight as an `Int4Weight` of its own memory: a
+    4-bit one cut as it is, a dense one quantised in groups chosen from its full input width
+    (never the shard's, so the numbers do not depend on the TP degree). A cut that splits a
+    group is refused; `what` names the layer in the error."""
+    try:
+        if isinstance(loaded, Int4Weight):
+            return (loaded if shard is None else shard.take(loaded)).contiguous()
+        if not accept_dense:
+            raise ValueError(f"a 4-bit checkpoint holds a dense {list(loaded.shape)} weight "
+                             "here: mixed-precision checkpoints are not supported")
+        g = default_group_size(loaded.shape[1], group_size)
+        if shard is not None and shard.dim == 1:
+            check_group_aligned(shard.start, shard.length, g)
+        return quantize_int4(loaded if shard is None else shard.take(loaded), g)
+    except ValueError as e:
+        raise ValueError(f"{what}: {e}") from None
+
+
+def stack_row_parts(parts: dict[int, Int4Weight], rows: int, k: int, what: str) -> Int4Weight:
+    """Parts keyed by their first row (fused q/k/v, gate/up) -> one [rows, k] weight; every
+    row must have been loaded exactly once."""
+    stacked, at = [], 0
+    for start in sorted(parts):
+        part = parts[start]
+        if start != at:
+            raise ValueError(f"{what} [{rows}, {k}]: rows {at}..{start - 1} were never loaded")
+        if part.shape[1] != k:
+            raise ValueError(f"{what} expects {k} input features, a part has {part.shape[1]}")
+        stacked.append(part)
+        at += part.shape[0]
+    if at != rows:
+        raise ValueError(f"{what} [{rows}, {k}]: rows {at}..{rows - 1} were never loaded")
+    return Int4Weight.cat_rows(stacked)
