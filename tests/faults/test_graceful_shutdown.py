@@ -1,11 +1,13 @@
 """SIGTERM under load: the router stops taking requests (UNAVAILABLE), reports NOT_SERVING,
-and finishes the streams it has; a decode worker drains likewise. Every stream in flight
-completes with the engine's output, and the workers end idle."""
+and finishes the streams it has; a decode worker drains likewise, answering the router's
+polls meanwhile, so its streams finish on it (no migration). Every stream in flight completes
+with the engine's output, and the workers end idle."""
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import time
 
 import grpc
 import pytest
@@ -14,8 +16,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.engine import LLM
 from pdserve.proto import pb_grpc
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import start_cluster, wait_idle, worker_channel, worker_stats
 from tests.helpers.engine import greedy_ids, random_prompts
+from tests.helpers.faults import FAST_HEARTBEAT, migrations
 from tests.helpers.load import generate, greedy_request, run_load, signal_once_streaming
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,6 +26,11 @@ pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 400
 PROMPTS = random_prompts([20, 50] * 5, VOCAB, seed=51)  # local and remote prefills
 REQUESTS = [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
+# Decode drain: streams long enough to outlast the router's heartbeat timeout on the victim.
+DRAIN_TOKENS = 700
+DRAIN_PROMPTS = random_prompts([20, 50] * 3, VOCAB, seed=52)
+DRAIN_REQUESTS = [greedy_request(p, DRAIN_TOKENS) for p in DRAIN_PROMPTS]
+HEALTH_PERIOD_S, HEARTBEAT_TIMEOUT_S = (float(v) for v in FAST_HEARTBEAT[1::2])
 
 
 @pytest.fixture(scope="module")
@@ -59,31 +67,53 @@ def test_router_sigterm_finishes_every_stream_in_flight(tiny_llama, tmp_path, ex
         cluster.stop()
 
 
-def test_decode_worker_sigterm_finishes_its_streams(tiny_llama, tmp_path, expected):
-    cluster = start_cluster(tiny_llama, tmp_path, prefill=1, decode=2)
+def test_a_draining_decode_worker_finishes_its_streams_itself(tiny_llama, tmp_path):
+    """SIGTERM to one of two decode workers, streams in flight on it: it keeps answering the
+    router's polls (saying it drains) past the heartbeat timeout, so the router neither drops
+    it nor moves its streams; they finish there, and it exits."""
+    expected = greedy_ids(LLM(str(tiny_llama), dtype="float32"), DRAIN_PROMPTS, DRAIN_TOKENS)
+    cluster = start_cluster(tiny_llama, tmp_path, prefill=1, decode=2,
+                            router_args=FAST_HEARTBEAT)
     try:
         victim = cluster.workers("decode")[0]
+        address = victim.info["address"]
 
-        async def sigterm():
-            running = worker_stats(victim.info["address"]).num_running  # what it drains
+        async def sigterm_and_watch():
+            running = (await asyncio.to_thread(worker_stats, address)).num_running
             victim.proc.send_signal(signal.SIGTERM)
-            return running
+            t0, seen, late, health = time.monotonic(), [], None, None
+            while victim.proc.poll() is None:  # what its polls say until its server stops
+                try:
+                    s = await asyncio.to_thread(worker_stats, address)
+                except grpc.RpcError:
+                    break
+                seen.append((time.monotonic() - t0, s.draining, s.num_running))
+                if s.draining and late is None:  # new work meanwhile goes elsewhere
+                    health = await asyncio.to_thread(_health, address)
+                    late = asyncio.ensure_future(run_load(
+                        cluster.address, [greedy_request(DRAIN_PROMPTS[0], 4)], 1, 30))
+                await asyncio.sleep(0.05)
+            return running, seen, health, await late if late is not None else None
 
-        outcomes, _, running = asyncio.run(
-            signal_once_streaming(cluster.address, REQUESTS, sigterm))
+        outcomes, _, (running, seen, health, late) = asyncio.run(
+            signal_once_streaming(cluster.address, DRAIN_REQUESTS, sigterm_and_watch))
         assert running > 0, "the drained worker had no stream in flight"
-        assert [o.status for o in outcomes] == ["OK"] * 10
+        assert [o.status for o in outcomes] == ["OK"] * len(DRAIN_REQUESTS)
         assert [o.token_ids for o in outcomes] == expected
         assert victim.proc.wait(timeout=60) == 0
-        # The router takes it out of the pool; the survivor serves what comes next (a
-        # request racing that, before any poll noticed, may see UNAVAILABLE: retry once).
-        again = None
-        for _ in range(2):
-            again = asyncio.run(run_load(cluster.address, [greedy_request(PROMPTS[0], 4)],
-                                         1, 30))[0]
-            if again.ok:
-                break
-        assert again.ok and again.token_ids == expected[0][:4]
+        # The fault reached far enough: streams still ran on it after the router's heartbeat
+        # timeout (under which a worker that stopped answering would have lost them).
+        still_running = [t for t, draining, n in seen if draining and n > 0]
+        assert still_running and max(still_running) > HEARTBEAT_TIMEOUT_S + HEALTH_PERIOD_S
+        assert health == health_pb2.HealthCheckResponse.NOT_SERVING  # Kubernetes, Ray: away
+        assert late is not None and late[0].ok and late[0].token_ids == expected[0][:4]
+        assert migrations(cluster) == 0  # every stream finished where it was
         assert not any(wait_idle(cluster).values())
     finally:
         cluster.stop()
+
+
+def _health(address: str) -> int:
+    with worker_channel(address) as ch:
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                    timeout=10).status
