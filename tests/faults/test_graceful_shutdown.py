@@ -93,10 +93,10 @@ def test_a_draining_decode_worker_finishes_its_streams_itself(tiny_llama, tmp_pa
         assert victim.proc.wait(timeout=60) == 0
         # The fault reached far enough: streams still ran on it after the router's heartbeat
         # timeout (under which a worker that stopped answering would have lost them).
-        still_running = [t for t, draining, n in seen if draining and n > 0]
+        still_running = [t for t, draining, running in seen if draining and running > 0]
         assert still_running and max(still_running) > HEARTBEAT_TIMEOUT_S + HEALTH_PERIOD_S, (
             f"{n} streams per worker ran only {max(still_running, default=0):.1f}s on it")
-        assert health == health_pb2.HealthCheckResponse.NOT_SERVING  # Kubernetes, Ray: away
+        assert health == health_pb2.HealthCheckResponse.NOT_SERVING  # readiness probes: away
         assert late is not None and late.ok and late.token_ids == expected[0][:4]
         assert migrations(cluster) == 0  # every stream finished where it was
         assert not any(wait_idle(cluster).values())
