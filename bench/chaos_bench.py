@@ -21,7 +21,9 @@ Drain rows (1 prefill worker; --drain-streams streams of --drain-tokens tokens, 
 streaming, then SIGTERM; the router runs with --shutdown-grace 60):
 
     router-drain    SIGTERM the router (1 decode worker)
-    decode-drain    SIGTERM one of 2 decode workers
+    decode-drain    SIGTERM one of 2 decode workers; also the migrations the router counted
+                    meanwhile (streams moved off the draining worker) and new attempts the
+                    draining worker refused
 
 Load rows use 1 prefill + 1 decode worker (the `pdserve up` default):
 
@@ -135,13 +137,18 @@ async def closed_loop(address: str, reqs: list[pb.GenerateRequest], concurrency:
 def drain_row(row: str, a, model: Path, logs: Path, reqs, expected) -> dict:
     """`--drain-streams` streams in flight (each has its first tokens), then SIGTERM to the
     router (`router-drain`) or to one of two decode workers (`decode-drain`): how many of
-    them complete, and how long the process took to exit."""
+    them complete, how long the process took to exit, and (decode-drain) how many of them
+    the router moved to the other worker meanwhile (0: the drain finished them itself) and
+    how many new attempts the draining worker refused."""
     decode = 2 if row == "decode-drain" else 1
     cluster = start(model, logs / row, 1, decode, ("--shutdown-grace", "60"))
+    counted = row == "decode-drain"  # the router's counters outlive only a worker's drain
+    moved: dict[str, float | None] = {}
     try:
         victim = cluster.router if row == "router-drain" else cluster.workers("decode")[0]
         proc = victim.proc  # this process, not the one the supervisor starts after it
         signalled, exited = [0.0], [None]
+        before = router_counters(cluster) if counted else {}
 
         async def main() -> list[Outcome]:
             async with grpc.aio.insecure_channel(cluster.address) as ch:
@@ -171,9 +178,20 @@ def drain_row(row: str, a, model: Path, logs: Path, reqs, expected) -> dict:
                 return outs
 
         outs = asyncio.run(main())
+        if counted:
+            after = router_counters(cluster)
+            moved = {k: after[k] - before[k] for k in after}
     finally:
         cluster.stop()
-    return {**summarize(row, outs, expected, signalled[0]), "exit_s": exited[0]}
+    return {**summarize(row, outs, expected, signalled[0]), "exit_s": exited[0],
+            "migrations": moved.get("migrations"), "drain_refusals": moved.get("drain_refusals")}
+
+
+def router_counters(cluster: LocalCluster) -> dict[str, float]:
+    """The router's migration and drain-refusal counts so far."""
+    names = {"migrations": "pdserve_router_migrations_total",
+             "drain_refusals": "pdserve_router_drain_refusals_total"}
+    return {k: router_gauge(cluster, name) or 0.0 for k, name in names.items()}
 
 
 # -- clusters --------------------------------------------------------------------------------
@@ -498,7 +516,7 @@ def main() -> None:
         results += huge_prompt_row(model, logs)
     print_table(results, ["row", "requests", "ok_pct", "failures", "wrong_outputs", "p99_s",
                           "p99_vs_no_fault", "recovery_s", "cut_in_flight", "back_s",
-                          "exit_s", "offered", "capacity",
+                          "exit_s", "migrations", "drain_refusals", "offered", "capacity",
                           "completed_vs_capacity", "refusal_p99_s", "slowdown", "refused_in_s",
                           "client_serialize_s", "health_p99_s", "small_request_s"])
     path = write_json(a.out, {"args": vars(a), "load_average": os.getloadavg(),

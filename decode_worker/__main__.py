@@ -1,8 +1,9 @@
 """`python -m decode_worker [--model PATH] [--host H] [--port P] [--kv-port K] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
-takes it into its decode pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
-the registry, then finishes the streams it has before it exits.
+takes it into its decode pool on its own. SIGTERM drains it (`pdserve.serving.drain`): it leaves
+the registry and says `draining` in its stats (routers send it nothing new), answers polls and
+finishes the streams it has, then exits.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVReceiver, KVSender
 from pdserve.engine.engine import LLMEngine
 from pdserve.proto import worker_pb
+from pdserve.serving.drain import DrainConfig, drain
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
-    DrainConfig,
     announce_ready,
-    drain,
     run_worker,
     start_telemetry,
     start_worker_server,
@@ -66,8 +66,8 @@ async def serve(options: WorkerOptions) -> None:
 
     async def cleanup() -> None:
         # The receiver and the engine keep running while the streams in flight finish.
-        await drain(server, link, lambda: service.kv_sender.stats()["transfers_active"] > 0,
-                    DrainConfig.of(options))
+        pushing = lambda: service.kv_sender.stats()["transfers_active"] > 0  # noqa: E731
+        await drain(server, service.gate, link, pushing, DrainConfig.of(options))
         expiry.cancel()
         receiver.close()
         await service.puller.close()

@@ -1,8 +1,9 @@
 """`python -m prefill_worker [--model PATH] [--host H] [--port P] [--redis URL]`
 
 With `--redis` the worker registers in the cluster's registry, so a router in discovery mode
-takes it into its prefill pool on its own. SIGTERM drains it (`worker_base.drain`): it leaves
-the registry, finishes the prefills it has and their KV transfers, then exits.
+takes it into its prefill pool on its own. SIGTERM drains it (`pdserve.serving.drain`): it leaves
+the registry and says `draining` in its stats, finishes the prefills it has and their KV
+transfers while answering polls, then exits.
 """
 
 from __future__ import annotations
@@ -13,13 +14,12 @@ import dataclasses
 from kv_store.index.recorder import BlockRecorder
 from kv_store.transfer import KVSender
 from pdserve.engine.engine import LLMEngine
+from pdserve.serving.drain import DrainConfig, drain
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.kv_transport import open_kv_transport
 from pdserve.serving.worker_base import (
-    DrainConfig,
     announce_ready,
-    drain,
     run_worker,
     start_telemetry,
     start_worker_server,
@@ -57,7 +57,7 @@ async def serve(options: WorkerOptions) -> None:
 
     async def cleanup() -> None:
         # A prefill answers before its KV has reached the decode worker: wait for that too.
-        await drain(server, link, lambda: sender.stats()["transfers_active"] > 0,
+        await drain(server, service.gate, link, lambda: sender.stats()["transfers_active"] > 0,
                     DrainConfig.of(options))
         loop.stop()
         engine.close()

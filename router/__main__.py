@@ -135,7 +135,7 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
                              aliases=cfg.model_aliases, max_logprobs=http_cfg.api.max_logprobs)
         http = OpenAIServer(frontend, served,
                             dataclasses.replace(http_cfg, max_body_bytes=limits.max_body_bytes),
-                            lambda: frontend.accepting and bool(decode.healthy()),
+                            lambda: frontend.accepting and bool(decode.routable()),
                             metrics=metrics.registry if metrics_server is None else None,
                             before_scrape=lambda: refresh_pools(prefill, decode))
         ready["http_address"] = await http.start()

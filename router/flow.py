@@ -18,6 +18,11 @@ The request (`run`), with migration (`router.migration`):
        local_prefill, kv_source = whoever holds the prompt's KV ──tokens after them──► client
        (at most `--migration-limit` moves; the old attempt's calls are cancelled first)
 
+A worker that drains (`router.pool`) is given nothing new; one that refuses an attempt
+because it drains (before anything ran there) is marked so, and the attempt is placed again
+elsewhere (`drain_refusals`, within the same limit; not a migration). The streams it already
+runs stay where they are and finish there.
+
 Several choices of one prompt (`n` > 1) are one attempt: D forks them from the prompt's KV
 (computed once, by P or by D) and every event carries its choice's `index`; such a request
 moves to another worker only while nothing was streamed yet, and `stop_choice` ends one
@@ -44,6 +49,7 @@ import grpc
 from pdserve.engine.finish import FinishReason
 from pdserve.proto import pb, worker_pb
 from pdserve.serving.convert import finish_from_pb, params_to_pb
+from pdserve.serving.drain import is_draining_refusal
 from router.migration import (
     LostCause,
     MigrationPolicy,
@@ -167,9 +173,10 @@ class Flow:
         self.rng = rng
         self.migration = migration if migration is not None else MigrationPolicy()
         # Router-side counts: prefetch hints sent / failed, pulls routed, migrations (all,
-        # and by cause as "migrations.<cause>").
+        # and by cause as "migrations.<cause>"), attempts a draining worker refused.
         self.counters: dict[str, float] = {"prefetch_hints": 0, "prefetch_hint_failures": 0,
-                                           "kv_pulls_routed": 0, "migrations": 0}
+                                           "kv_pulls_routed": 0, "migrations": 0,
+                                           "drain_refusals": 0}
         self.place = Placement(prefill, decode, local_prefill_tokens, routing, self.counters)
         self._live: dict[str, tuple[WorkerHandle, str]] = {}  # rid -> (D, attempt id) now
 
@@ -225,11 +232,17 @@ class Flow:
                     raise FlowError(decision.status, f"{lost}; {decision.reason}") from None
                 moves += 1
                 excluded.add(lost.worker.address)
-                self.counters["migrations"] += 1
-                key = f"migrations.{lost.cause}"
-                self.counters[key] = self.counters.get(key, 0) + 1
+                self._count_move(lost.cause)
                 log.info("request %s moves on (%d/%d) after %d tokens: %s", rid, moves,
                          self.migration.limit, len(streamed), lost)
+
+    def _count_move(self, cause: LostCause) -> None:
+        if cause is LostCause.WORKER_DRAINING:
+            self.counters["drain_refusals"] += 1
+            return
+        self.counters["migrations"] += 1
+        key = f"migrations.{cause}"
+        self.counters[key] = self.counters.get(key, 0) + 1
 
     # -- one attempt ---------------------------------------------------------------------
     async def _attempt(self, a: Attempt, req: ValidRequest, timings: FlowTimings, n: int = 1,
@@ -357,6 +370,9 @@ class Flow:
 
     # -- errors --------------------------------------------------------------------------
     def _decode_error(self, exc: grpc.aio.AioRpcError, d: WorkerHandle) -> Exception:
+        if is_draining_refusal(exc):  # alive, finishing its streams: just not this one
+            self.decode.mark_draining(d)
+            return AttemptLost(LostCause.WORKER_DRAINING, d, "it drains")
         code = exc.code()
         cause = cause_of_decode_error(code)
         if cause is LostCause.DECODE_LOST:
@@ -366,6 +382,9 @@ class Flow:
         return FlowError(code, f"decode worker {d.address}: {exc.details()}")
 
     def _prefill_error(self, exc: grpc.aio.AioRpcError, p: WorkerHandle) -> Exception:
+        if is_draining_refusal(exc):
+            self.prefill.mark_draining(p)
+            return AttemptLost(LostCause.WORKER_DRAINING, p, "it drains")
         code = exc.code()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN):
             self.prefill.mark_failed(p)

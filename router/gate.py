@@ -53,13 +53,13 @@ class AdmissionGate:
     def admit(self, rid: str, req: ValidRequest, n: int, timeout_s: float
               ) -> frozenset[str] | None:
         """The decode workers that may take the request (its `n` choices together);
-        `Overloaded` if none may. None when there is no healthy decode worker at all: the
-        flow answers that (UNAVAILABLE, retryable)."""
-        healthy = self.decode.healthy() if self.decode is not None else []
+        `Overloaded` if none may. None when no decode worker takes new work at all (none
+        healthy, or all draining): the flow answers that (UNAVAILABLE, retryable)."""
+        healthy = self.decode.routable() if self.decode is not None else []
         if not healthy:
             return None
         n_prompt, max_out = len(req.prompt_token_ids), self._max_out(req)
-        prefill = self.prefill.healthy() if self.prefill is not None else []
+        prefill = self.prefill.routable() if self.prefill is not None else []
         remote = policy.prefill_remotely(n_prompt, 0, self.config.local_prefill_tokens,
                                          bool(prefill))
         size = admission.RequestSize(n_prompt, max_out, timeout_s, remote, max(n, 1))

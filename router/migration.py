@@ -8,6 +8,8 @@ An attempt (one try at a request on one decode worker, with one prefill worker o
     DECODE_ENDED         D ended the request on its side (its KV hand-off failed, an engine
                          error, a stream that ended without a finish)
     PREFILL_LOST         P failed or stopped answering before D had the prompt's KV
+    WORKER_DRAINING      D or P refused the attempt because it drains (nothing ran there:
+                         the attempt is placed again; counted apart, not as a migration)
 
 The router then starts a new attempt with the tokens the client already has (`decide`):
 another decode worker (`prefer_others`) computes prompt + those tokens, pulling the prompt's
@@ -34,6 +36,7 @@ class LostCause(enum.StrEnum):
     DECODE_UNRESPONSIVE = "decode_unresponsive"
     DECODE_ENDED = "decode_ended"
     PREFILL_LOST = "prefill_lost"
+    WORKER_DRAINING = "worker_draining"
 
 
 def cause_of_decode_error(code: grpc.StatusCode) -> LostCause | None:

@@ -5,9 +5,10 @@
       ─► a worker X to pull a prefix from (`policy.pick_pull_source`), or a prefill worker P
       ─► fire-and-forget `Prefetch` to each one chosen whose match runs into its host/SSD tiers
 
-A moved request (`router.migration`) avoids the workers that failed it, and its new decode
-worker pulls from whoever holds more of it, however much is left to compute: the
-continuation is always computed on D.
+Only routable workers are chosen (healthy, not draining: `router.pool`). A moved request
+(`router.migration`) avoids the workers that failed it, and its new decode worker pulls from
+whoever holds more of it, however much is left to compute: the continuation is always
+computed on D.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ PREFETCH_TIMEOUT_S = 2.0  # a prefetch hint not taken by then is moot; never wai
 
 
 class NoWorker(Exception):
-    """No healthy worker of the role that is needed."""
+    """No healthy worker of the role that is needed (draining ones take nothing new)."""
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,13 @@ class Placement:
         A continuation is computed on D whatever is left, so any prefix is worth offering:
         D pins what it really holds and pulls only beyond that (the index's idea of D may be
         stale: the attempt that just failed there was recorded as placed)."""
-        others = [w for w in (*self.decode.healthy(), *self.prefill.healthy())
+        others = [w for w in (*self.decode.routable(), *self.prefill.routable())
                   if w.address != d.address and w.address in blocks.matches]
         holders = [policy.Holder(i, blocks.matches[w.address].blocks,
                                  blocks.matches[w.address].leading[0],
                                  w.info.tp_size if w.info is not None else 0)
                    for i, w in enumerate(others)]
-        have_prefill = bool(self.prefill.healthy()) and not continuation
+        have_prefill = bool(self.prefill.routable()) and not continuation
         own = 0 if continuation else blocks.held_by(d)
         h = policy.pick_pull_source(holders, own, num_tokens, self.block_size(),
                                     self.local_prefill_tokens, have_prefill)
@@ -119,40 +120,40 @@ class Placement:
     def pick_decode(self, matches: dict[str, PrefixMatch], excluded: set[str],
                     allowed: frozenset[str] | None = None) -> WorkerHandle:
         """`allowed`: the only workers it may pick (admission control's verdict; None: any)."""
-        pool = [w for w in self.decode.healthy() if allowed is None or w.address in allowed]
-        healthy = prefer_others(pool, _address, excluded)
+        pool = [w for w in self.decode.routable() if allowed is None or w.address in allowed]
+        usable = prefer_others(pool, _address, excluded)
         if self.routing == "round-robin":
-            i = self._round_robin("decode", healthy)
+            i = self._round_robin("decode", usable)
         else:
-            i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(healthy)])
+            i = policy.pick_decode([_load(i, w, matches) for i, w in enumerate(usable)])
         if i is None:
             raise NoWorker("no healthy decode worker")
-        return healthy[i]
+        return usable[i]
 
     def pick_prefill(self, prompt_tokens: int, matches: dict[str, PrefixMatch],
                      excluded: set[str]) -> WorkerHandle:
-        healthy = prefer_others(self.prefill.healthy(), _address, excluded)
+        usable = prefer_others(self.prefill.routable(), _address, excluded)
         if self.routing == "round-robin":
-            i = self._round_robin("prefill", healthy)
+            i = self._round_robin("prefill", usable)
         else:
-            i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(healthy)],
+            i = policy.pick_prefill([_load(i, w, matches) for i, w in enumerate(usable)],
                                     prompt_tokens, self.block_size())
         if i is None:
             raise NoWorker("no healthy prefill worker")
-        return healthy[i]
+        return usable[i]
 
     def prefill_remotely(self, prompt_tokens: int, d: WorkerHandle, blocks: PromptBlocks,
                          excluded: set[str]) -> bool:
         """Conditional disaggregation, with only prefill workers this request may use."""
-        usable = prefer_others(self.prefill.healthy(), _address, excluded)
+        usable = prefer_others(self.prefill.routable(), _address, excluded)
         return policy.prefill_remotely(prompt_tokens, blocks.held_by(d) * self.block_size(),
                                        self.local_prefill_tokens, bool(usable))
 
-    def _round_robin(self, role: str, healthy: list[WorkerHandle]) -> int | None:
-        if not healthy:
+    def _round_robin(self, role: str, usable: list[WorkerHandle]) -> int | None:
+        if not usable:
             return None
         self._turn[role] += 1
-        return self._turn[role] % len(healthy)
+        return self._turn[role] % len(usable)
 
 
 def _address(w: WorkerHandle) -> str:

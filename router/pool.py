@@ -3,11 +3,20 @@
 Heartbeats: each worker is polled every `period_s` on its own (a worker that hangs never
 delays the others' polls). A worker whose last answer is older than `heartbeat_timeout_s`
 (it stopped answering: dead, stopped, cut off), or that fails a call with UNAVAILABLE, leaves
-its pool until it answers again; requests only ever go to healthy workers. Detection takes at
-most `heartbeat_timeout_s` plus one tick (`period_s / 2`). Flows that depend on a worker
-`watch` it and are told the moment it leaves (the router then migrates their requests).
+its pool until it answers again; requests only ever go to healthy workers that do not drain.
+Detection takes at most `heartbeat_timeout_s` plus one tick (`period_s / 2`). Flows that
+depend on a worker `watch` it and are told the moment it leaves (the router then migrates
+their requests).
 
     poll ok ──► last_ok = now, healthy      now - last_ok > heartbeat_timeout_s ──► down
+
+A worker that drains (it got SIGTERM: `pdserve.serving.drain`) says so in its stats and keeps
+answering its polls: it stays healthy (nobody watching it is told it left, so the streams on
+it finish there) but is not *routable*: no new request, pull or migration goes to it. A call
+it refused because it drains marks it so at once, before the next poll.
+
+    healthy, routable ──stats.draining / a `pdserve-draining` refusal──► healthy, draining
+                                            ──it exits: polls fail──► down (as above)
 
 Membership can change at run time (`add` / `remove`, driven by `router.membership` in
 discovery mode, or by an operator):
@@ -74,6 +83,7 @@ class WorkerHandle:
     down: asyncio.Event = field(default_factory=asyncio.Event)
     needs_snapshot: bool = True  # resync its KV index entries on the next poll
     refuses_credentials: bool = False  # its last poll got UNAUTHENTICATED (logged once)
+    draining: bool = False  # it said so (stats) or refused a call for it; polls clear it
     _watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def set_healthy(self, healthy: bool) -> None:
@@ -86,6 +96,11 @@ class WorkerHandle:
             for fn in watchers:
                 fn()
         self.healthy = healthy
+
+    @property
+    def routable(self) -> bool:
+        """Whether new work may go to it: healthy and not draining."""
+        return self.healthy and not self.draining
 
     def watch(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Call `fn()` once, as soon as this worker leaves its pool (at once if it is out
@@ -123,7 +138,12 @@ class WorkerPool:
             self.add(address)
 
     def healthy(self) -> list[WorkerHandle]:
+        """Members that answer their polls (draining ones included: they finish their work)."""
         return [w for w in self.workers if w.healthy]
+
+    def routable(self) -> list[WorkerHandle]:
+        """Members new work may go to: healthy and not draining."""
+        return [w for w in self.workers if w.routable]
 
     def totals(self) -> PoolTotals:
         """KV blocks and cache counters summed over the healthy members' last stats."""
@@ -196,11 +216,11 @@ class WorkerPool:
         return all(w.healthy for w in self.workers)
 
     async def wait_any_healthy(self, timeout_s: float) -> bool:
-        """Until one member is healthy (at once for a pool without members): enough to serve.
-        The others join when their polls succeed."""
+        """Until one member is routable (at once for a pool without members): enough to
+        serve. The others join when their polls succeed."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout_s
-        while self.workers and not self.healthy():
+        while self.workers and not self.routable():
             if loop.time() >= end:
                 return False
             await asyncio.sleep(0.1)
@@ -213,6 +233,13 @@ class WorkerPool:
             log.warning("%s worker %s unavailable; out of the pool", self.role, worker.address)
         worker.set_healthy(False)
         self._forget_blocks(worker)
+
+    def mark_draining(self, worker: WorkerHandle) -> None:
+        """The worker refused a call because it drains: send it nothing new. It stays in its
+        pool (what it runs finishes there); its next poll confirms it."""
+        if not worker.draining:
+            log.info("%s worker %s drains; no new work to it", self.role, worker.address)
+        worker.draining = True
 
     async def poll_once(self) -> None:
         retiring = [w for w, _ in self._retiring.values()]
@@ -285,6 +312,10 @@ class WorkerPool:
         w.stats = stats
         w.last_ok = time.monotonic()
         w.refuses_credentials = False
+        if stats.draining and not w.draining:
+            log.info("%s worker %s drains (%d running, %d waiting); no new work to it",
+                     self.role, w.address, stats.num_running, stats.num_waiting)
+        w.draining = stats.draining
         if take:
             self._apply_kv_events(w, stats.kv_events, snapshot)
         if not w.healthy:

@@ -26,8 +26,8 @@ __all__ = ["ROLES", "PoolSpec", "RayClusterSpec", "RouterSpec", "load_spec",
            "WORKER_DRAIN_NOTICE_S", "WORKER_DRAIN_TIMEOUT_S", "ROUTER_SHUTDOWN_GRACE_S"]
 
 WORKER_DRAIN_NOTICE_S = 2.0
-"""`worker_base.DrainConfig.notice_s`: a stopping worker leaves the registry, then still takes
-requests this long (a test pins the two together)."""
+"""`pdserve.serving.drain.DrainConfig.notice_s`: a stopping worker leaves the registry, then
+still takes requests this long (a test pins the two together)."""
 WORKER_DRAIN_TIMEOUT_S = 30.0
 """A worker's default `--drain-timeout`: the longest it waits for what it holds to finish."""
 ROUTER_SHUTDOWN_GRACE_S = 30.0

@@ -43,6 +43,9 @@ FLOW_COUNTERS = {
                         "Requests sent to a decode worker with a KV source to pull from."),
     "migrations": ("pdserve_router_migrations",
                    "Requests moved to another worker after a worker failed them."),
+    "drain_refusals": ("pdserve_router_drain_refusals",
+                       "Attempts a draining worker refused, placed again elsewhere (before "
+                       "anything ran: not migrations)."),
 }
 # Counted per cause under "migrations.<cause>" (router.migration.LostCause values).
 MIGRATION_CAUSES = ("decode_lost", "decode_unresponsive", "decode_ended", "prefill_lost")

@@ -37,7 +37,9 @@ if TYPE_CHECKING:
 #              (the router's admission control reads them).
 #          8 - WorkerInfo.kv_bytes_per_block: bytes of one KV block in the engine's KV layout
 #              (GQA heads or an MLA latent), for the router's load-vs-recompute cost.
-WORKER_API_VERSION = 8
+#          9 - WorkerStats.draining: a draining worker keeps answering polls and says so;
+#              the work it refuses meanwhile carries trailing metadata `pdserve-draining`.
+WORKER_API_VERSION = 9
 
 _MODULES = {
     "pb": "pdserve.proto.gen.pdserve.v1.pdserve_pb2",

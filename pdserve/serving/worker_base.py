@@ -1,9 +1,9 @@
-"""The part of the worker gRPC service both roles share: stats, info, abort, start-up, drain.
+"""The part of the worker gRPC service both roles share: stats, info, abort, start-up.
 
 A worker process announces itself on stdout with one line, `PDSERVE_READY {json}`, once its
 servers are bound: the launcher (`pdserve up`) reads the real ports from it, so every server
-can bind port 0 and no port is ever guessed. On SIGTERM it drains (`drain`): the requests it
-has taken finish before it exits.
+can bind port 0 and no port is ever guessed. On SIGTERM it drains (`pdserve.serving.drain`):
+the requests it has taken finish before it exits, and its polls are answered meanwhile.
 """
 
 from __future__ import annotations
@@ -15,10 +15,7 @@ import json
 import logging
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -30,15 +27,13 @@ from pdserve.observability.logs import configure_logging
 from pdserve.observability.telemetry import WorkerTelemetry
 from pdserve.observability.worker_metrics import WorkerSnapshot
 from pdserve.proto import WORKER_API_VERSION, worker_pb, worker_pb_grpc
+from pdserve.serving.drain import DrainGate
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
 from pdserve.serving.kv_transport import KV_TRANSPORT_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
-
-if TYPE_CHECKING:
-    from pdserve.serving.index_link import IndexLink
 
 log = logging.getLogger(__name__)
 READY_PREFIX = "PDSERVE_READY "
@@ -53,6 +48,7 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
         self.endpoints: list[worker_pb.KVEndpoint] = []
         self.counters: dict[str, float] = {}
         self.kv_sender = None  # KVSender for PushKV, set by the role's entry point
+        self.gate = DrainGate()  # counts work calls; refuses new ones once draining
 
     def count(self, name: str, value: float = 1.0) -> None:
         self.counters[name] = self.counters.get(name, 0.0) + value
@@ -78,7 +74,8 @@ class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
             kv_events=self._kv_events(request.kv_snapshot, request.take_kv_events),
             step_model=worker_pb.StepModel(step_base_s=speed.base_s,
                                            step_per_token_s=speed.per_token_s,
-                                           samples=speed.samples))
+                                           samples=speed.samples),
+            draining=self.gate.draining)
 
     def _kv_events(self, snapshot: bool, take: bool) -> bytes:
         """Prefix-cache changes since the last taker's poll (or everything held, on request).
@@ -181,59 +178,18 @@ async def wait_for_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
     await cleanup()
 
 
-@dataclass(frozen=True)
-class DrainConfig:
-    """How a worker stops on SIGTERM without failing the requests it has taken."""
-
-    notice_s: float = 2.0
-    """With a registry link: how long the worker still takes new requests after leaving the
-    registry, so routers in discovery mode (reconciling every second) stop picking it first."""
-    grace_s: float = 30.0
-    """Longest wait for calls in flight and background work (KV transfers) to finish; what is
-    left then is cancelled (`--drain-timeout`)."""
-
-    @classmethod
-    def of(cls, options: WorkerOptions) -> DrainConfig:
-        return cls(grace_s=options.drain_timeout_s)
-
-
-async def drain(server: RunningServer, link: IndexLink | None,
-                busy: Callable[[], bool] = lambda: False,
-                config: DrainConfig = DrainConfig()) -> None:
-    """Stop taking work, let what was taken finish:
-
-        leave the registry (`link`), health NOT_SERVING
-          ─► notice_s (with a link only)
-          ─► refuse new calls (UNAVAILABLE); calls in flight finish within grace_s
-          ─► wait, within what is left of grace_s, until `busy()` is False
-    """
-    start = time.monotonic()
-    end = start + config.grace_s
-    log.info("draining: no new work from routers; finishing what is in flight")
-    await server.set_serving(False)
-    if link is not None:
-        await link.close()
-        await asyncio.sleep(config.notice_s)
-        end += config.notice_s
-    await server.server.stop(grace=config.grace_s)  # returns as soon as no call is open
-    while busy() and time.monotonic() < end:
-        await asyncio.sleep(0.05)
-    log.info("drained in %.1fs%s", time.monotonic() - start,
-             " (background work cut short)" if busy() else "")
-
-
 async def start_worker_server(options: WorkerOptions, service: WorkerServicerBase,
                               interceptors=()) -> RunningServer:
     """The worker's gRPC server (Worker service, health, reflection) on its host and port,
     with its TLS; callers are authenticated (`InternalSecurity.server_interceptors`) before
-    any other interceptor sees the call."""
+    any other interceptor sees the call, and the service's drain gate sees it last."""
     sec = options.security
     sec.warn_if_open(f"{options.role} worker {options.worker_id}")
     return await start_server(
         options.host, options.port,
         lambda s: worker_pb_grpc.add_WorkerServicer_to_server(service, s),
         [worker_pb.DESCRIPTOR.services_by_name["Worker"].full_name],
-        tls=sec.tls, interceptors=[*sec.server_interceptors(), *interceptors])
+        tls=sec.tls, interceptors=[*sec.server_interceptors(), *interceptors, service.gate])
 
 
 def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],

@@ -46,7 +46,7 @@ class WorkerOptions:
     reads them from `GetStats`). Carries the password: never logged, never in a repr."""
     drain_timeout_s: float = 30.0
     """On SIGTERM: longest wait for the calls in flight (and KV transfers) to finish before
-    the worker exits (`--drain-timeout`; `worker_base.DrainConfig.grace_s`)."""
+    the worker exits (`--drain-timeout`; `pdserve.serving.drain.DrainConfig.grace_s`)."""
     redis_ca: str = ""
     """PEM CA file of a `rediss://` server ("" = the system's roots)."""
     lease: LeaseConfig = field(default_factory=LeaseConfig)

@@ -12,7 +12,7 @@ kept-alive connection short of its next head is closed `2 × header_timeout_s` a
 response); a body not all there within `body_timeout_s` of the headers is a 408
 (`body.read_json`).
 
-    GET  /health                 200 while a decode worker is healthy, else 503
+    GET  /health                 200 while a decode worker takes requests, else 503
     GET  /metrics                Prometheus text format (when the router passes a registry)
     GET  /v1/models[/{model}]
     POST /v1/completions

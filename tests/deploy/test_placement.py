@@ -67,11 +67,9 @@ def test_specs_are_validated_with_the_field_named(make, field):
 
 
 def test_a_stop_outlasts_a_workers_drain():
-    from pdserve.serving import worker_base
+    from pdserve.serving.drain import DrainConfig
 
-    if not hasattr(worker_base, "DrainConfig"):
-        pytest.skip("workers do not drain on SIGTERM in this tree")
-    drain = worker_base.DrainConfig()
+    drain = DrainConfig()
     spec = RayClusterSpec(model="/m", redis_url="redis://h/0")
     assert spec.stop_grace_s > drain.notice_s + drain.grace_s
     assert process_spec_constants() == (drain.notice_s, drain.grace_s)

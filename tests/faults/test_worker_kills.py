@@ -5,6 +5,10 @@ worker's requests are retried on the other one, and with no prefill worker left 
 worker prefills them itself. Outputs equal the engine's, greedy and seeded alike.
 
 Each test kills only what it needs and needs only what survives, so either runs alone.
+
+The workers prefill in chunks of `PREFILL_CHUNK` tokens, so a prompt stays on its prefill
+worker for several steps (its KV streaming out layer by layer meanwhile): a kill triggered
+by polling the victim lands while it holds requests, and the migrations it causes prove it.
 """
 
 from __future__ import annotations
@@ -32,11 +36,14 @@ from tests.helpers.faults import (
 )
 
 pytestmark = pytest.mark.timeout(300)
+PREFILL_CHUNK = 32  # --max-num-batched-tokens: a 300-700 token prompt takes 10-22 steps
+LOST = ("prefill_lost", "decode_ended")  # a pending Prefill failed / D lost its transfer
 
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama, tmp_path_factory):
     c = start_cluster(tiny_llama, tmp_path_factory.mktemp("kills"), prefill=2, decode=2,
+                      worker_args=("--max-num-batched-tokens", str(PREFILL_CHUNK)),
                       router_args=FAST_HEARTBEAT)
     yield c
     c.stop()
@@ -96,14 +103,19 @@ def test_killed_prefill_workers_lose_no_request(cluster, tiny_llama):
     first, last = (mixed_jobs(random_prompts([300, 500, 700, 400] * 3, VOCAB, seed=s), 8)
                    for s in (312, 313))
     expected = engine_outputs(tiny_llama, first + last)
-    lost = ("prefill_lost", "decode_ended")  # a pending Prefill failed / D lost its transfer
-    before = sum(migrations(cluster, c) for c in lost)
     # The first one: its requests are retried on the other prefill worker.
+    before = _lost(cluster)
     outcomes, held = _kill_under_load(cluster, first, cluster.workers("prefill")[0])
     _assert_all_ok(outcomes, expected[:len(first)])
-    assert held >= 1 and sum(migrations(cluster, c) for c in lost) > before
+    assert held >= 1 and _lost(cluster) > before  # it died holding requests: they moved
     # The last one: the decode workers prefill by themselves.
+    before = _lost(cluster)
     outcomes, held = _kill_under_load(cluster, last, cluster.workers("prefill")[-1])
     _assert_all_ok(outcomes, expected[len(first):])
-    assert held >= 1
+    assert held >= 1 and _lost(cluster) > before
     assert not any(wait_idle(cluster).values())
+
+
+def _lost(cluster) -> float:
+    """Migrations of requests a prefill worker was holding (a counter: never missed)."""
+    return sum(migrations(cluster, c) for c in LOST)

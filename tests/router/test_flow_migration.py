@@ -14,6 +14,7 @@ from kv_store.index.prefix import PrefixIndex
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pb, worker_pb
+from pdserve.serving.drain import DRAINING_METADATA_KEY
 from router.flow import FinishEvent, Flow, FlowError, FlowTimings, TokenEvent
 from router.migration import LostCause, MigrationPolicy, cause_of_decode_error, prefer_others
 from router.pool import WorkerHandle, WorkerPool
@@ -199,6 +200,35 @@ def test_a_client_cancel_is_not_mistaken_for_a_lost_worker():
 
     asyncio.run(go())
     assert stalled.stub.calls[0].cancelled and flow.counters["migrations"] == 0
+
+
+def draining_refusal() -> grpc.aio.AioRpcError:
+    """What a draining worker answers a new call (`pdserve.serving.drain`)."""
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(),
+                                grpc.aio.Metadata((DRAINING_METADATA_KEY, "1")), "draining")
+
+
+def test_a_draining_decode_worker_gets_nothing_new_and_stays_in_its_pool():
+    draining = worker("d1", honest)
+    draining.draining = True  # as its stats said
+    other = worker("d2", honest)
+    flow = make_flow([draining, other])
+    out, _ = asyncio.run(collect(flow))
+    assert out == FULL and draining.stub.decodes == [] and len(other.stub.decodes) == 1
+    assert draining.healthy and flow.decode.routable() == [other]
+
+
+def test_a_refusal_from_a_draining_worker_is_placed_elsewhere_and_is_no_migration():
+    refusing = worker("d1", lambda r: [draining_refusal()])
+    other = worker("d2", honest)
+    flow = make_flow([refusing, other])
+    told = []
+    refusing.watch(lambda: told.append("down"))  # a stream still running on d1
+    out, _ = asyncio.run(collect(flow))
+    assert out == FULL and len(other.stub.decodes) == 1
+    assert other.stub.decodes[0].generated_token_ids == []  # nothing ran on d1
+    assert refusing.healthy and refusing.draining and told == []  # d1's stream is not moved
+    assert flow.counters["drain_refusals"] == 1 and flow.counters["migrations"] == 0
 
 
 def test_policy_decisions():

@@ -17,6 +17,7 @@ PERIOD, HEARTBEAT = 0.05, 0.4
 class FakeWorker(worker_pb_grpc.WorkerServicer):
     def __init__(self) -> None:
         self.polls = 0
+        self.draining = False
         self.answering = asyncio.Event()
         self.answering.set()
 
@@ -26,7 +27,7 @@ class FakeWorker(worker_pb_grpc.WorkerServicer):
     async def GetStats(self, request, context):
         await self.answering.wait()  # a stopped process: the call just hangs
         self.polls += 1
-        return worker_pb.WorkerStats(role="decode")
+        return worker_pb.WorkerStats(role="decode", draining=self.draining)
 
 
 async def serve() -> tuple[grpc.aio.Server, str, FakeWorker]:
@@ -74,5 +75,31 @@ def test_a_silent_worker_leaves_within_the_heartbeat_timeout_and_comes_back():
             await pool.close()
             await s1.stop(None)
             await s2.stop(None)
+
+    asyncio.run(go())
+
+
+def test_a_draining_worker_stays_healthy_but_takes_nothing_new_until_it_exits():
+    async def go():
+        server, address, fake = await serve()
+        pool = WorkerPool("decode", (address,), PERIOD, HEARTBEAT)
+        await pool.start()
+        try:
+            (w,) = pool.workers
+            await until(lambda: w.routable)
+            told = []
+            w.watch(lambda: told.append("down"))
+            fake.draining = True
+            await until(lambda: w.draining)
+            assert pool.routable() == [] and pool.healthy() == [w]
+            polls = fake.polls
+            await until(lambda: fake.polls > polls + 2 * HEARTBEAT / PERIOD)  # past a timeout
+            assert w.healthy and told == []  # it answers: its streams stay where they are
+            assert await pool.wait_any_healthy(0.2) is False  # nothing to serve new work with
+            await server.stop(None)  # the drain is over: it exits
+            await until(lambda: not w.healthy)
+            assert told == ["down"]
+        finally:
+            await pool.close()
 
     asyncio.run(go())

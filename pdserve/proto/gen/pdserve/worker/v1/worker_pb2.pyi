@@ -210,7 +210,7 @@ class StatsRequest(_message.Message):
     def __init__(self, kv_snapshot: _Optional[bool] = ..., take_kv_events: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events", "step_model")
+    __slots__ = ("worker_id", "role", "num_running", "num_waiting", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "counters", "kv_events", "step_model", "draining")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -229,6 +229,7 @@ class WorkerStats(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_FIELD_NUMBER: _ClassVar[int]
     STEP_MODEL_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     num_running: int
@@ -240,7 +241,8 @@ class WorkerStats(_message.Message):
     counters: _containers.ScalarMap[str, float]
     kv_events: bytes
     step_model: StepModel
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., kv_events: _Optional[bytes] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ...) -> None: ...
+    draining: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., counters: _Optional[_Mapping[str, float]] = ..., kv_events: _Optional[bytes] = ..., step_model: _Optional[_Union[StepModel, _Mapping]] = ..., draining: _Optional[bool] = ...) -> None: ...
 
 class StepModel(_message.Message):
     __slots__ = ("step_base_s", "step_per_token_s", "samples")

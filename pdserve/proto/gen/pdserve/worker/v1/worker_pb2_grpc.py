@@ -117,7 +117,8 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetStats(self, request, context):
-        """Load and KV usage, polled by the router for scheduling and health.
+        """Load and KV usage, polled by the router for scheduling and health (answered while the
+        worker drains, too: see WorkerStats.draining).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
