@@ -2,6 +2,15 @@
 tokens/s at batch 1 and batch 8, side by side in one run. Issue 15.
 
     .venv/bin/pip install llama-cpp-python      # bench-only; builds llama.cpp (~11 min)
+
+On a CPU with AMX (e.g. a Sapphire Rapids Xeon), llama.cpp's native build (GGML_NATIVE) turns
+on its AMX path, and that segfaulted in `llama_decode` on the development machine. Build it
+without AMX, keeping AVX-512 where the CPU has it:
+
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+      -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+      -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      .venv/bin/pip install --no-deps llama-cpp-python && .venv/bin/pip install diskcache
     .venv/bin/python bench/cpu_anchor.py [--repeats 3] [--threads 2] [--new 128]
         [--quantization int4] [--without-llama-cpp]
 
