@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_store.transfer.wire import MAX_BATCH_PARTS
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -73,6 +75,12 @@ class TransferConfig:
     pair's payloads travel inline). Two or more let a sender write one while the receiver
     copies another out."""
 
+    coalesce_max_parts: int = 8
+    """Sender: most LAYER parts one message carries when several are queued at once (wire
+    `BATCH`, `coalesce`); a part alone goes alone at once. 1: one message per part, as
+    before wire version 7 (the benchmarks' baseline). NCCL pairs always send one per
+    message."""
+
     auth_key: bytes | None = field(default=None, repr=False)
     """KV key derived from the cluster secret (`InternalSecurity.kv_key`): pairs are opened
     only between ends that hold it and every header is sealed (`auth`). None = open pairs
@@ -92,10 +100,13 @@ class TransferConfig:
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
         for name in ("max_pairs", "max_message_bytes", "history_size", "nixl_pool_bytes",
-                     "nixl_slot_bytes", "nixl_slots_per_pair"):
+                     "nixl_slot_bytes", "nixl_slots_per_pair", "coalesce_max_parts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
+        if self.coalesce_max_parts > MAX_BATCH_PARTS:
+            raise ValueError(f"TransferConfig.coalesce_max_parts must be at most "
+                             f"{MAX_BATCH_PARTS}, got {self.coalesce_max_parts}")
         if self.nixl_slot_bytes > self.nixl_pool_bytes:
             raise ValueError("TransferConfig.nixl_slot_bytes must not exceed nixl_pool_bytes")
         if self.cuda_device is not None and (

@@ -188,7 +188,9 @@ class KVSender:
         with self._lock:
             extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests),
                      "pairs_nixl": sum(1 for p in self._pairs.values()
-                                       if p.transport == "nixl")}
+                                       if p.transport == "nixl"),
+                     # waits for a landing slot to come back (backpressure), open pairs
+                     "nixl_slot_waits": sum(p.slot_waits for p in self._pairs.values())}
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:
