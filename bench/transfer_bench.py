@@ -76,6 +76,15 @@ class CacheSink:
         print(json.dumps({"failed": request_id, "reason": reason}), file=sys.stderr, flush=True)
 
 
+def receiver_config(slots: int) -> TransferConfig:
+    """The defaults, or `slots` landing slots per pair (the pool grown to hold 2 pairs)."""
+    if not slots:
+        return TransferConfig()
+    slot = TransferConfig().nixl_slot_bytes
+    return TransferConfig(nixl_slots_per_pair=slots,
+                          nixl_pool_bytes=max(TransferConfig().nixl_pool_bytes, 2 * slots * slot))
+
+
 SENDER_STAGES = (
     "kv_store.transfer.sender:KVSender.send_layer",        # the caller: queue one layer
     "kv_store.transfer.sender_pair:SenderPair._send",      # the pair thread: one message
@@ -93,13 +102,13 @@ RECEIVER_STAGES = (
 )
 
 
-def run_receiver(transport: str, shape: str, tokens: int, trace: bool) -> None:
+def run_receiver(transport: str, shape: str, tokens: int, trace: bool, slots: int) -> None:
     torch.set_num_threads(1)
     agent = NixlAgent("127.0.0.1") if transport == "nixl" else None
     sink = CacheSink(SHAPES[shape][0], kv_shape(shape, tokens))
     stages = StageTrace()
     with (stages.wrapping(RECEIVER_STAGES if trace else ()),
-          KVReceiver("127.0.0.1", 0, sink, TransferConfig(), nixl=agent) as receiver):
+          KVReceiver("127.0.0.1", 0, sink, receiver_config(slots), nixl=agent) as receiver):
         receiver.start()
         print(json.dumps({"address": receiver.address,
                           "peer": receiver.nixl_descriptor.hex()}), flush=True)
@@ -116,11 +125,12 @@ def run_receiver(transport: str, shape: str, tokens: int, trace: bool) -> None:
 class Receiver:
     """A receiver child process for one transport."""
 
-    def __init__(self, transport: str, shape: str, tokens: int, trace: bool) -> None:
+    def __init__(self, transport: str, args) -> None:
         self.transport = transport
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--role", "receiver", "--transports", transport,
-             "--shape", shape, "--tokens", str(tokens), *(["--trace"] if trace else [])],
+             "--shape", args.shape, "--tokens", str(args.tokens),
+             "--nixl-slots", str(args.nixl_slots), *(["--trace"] if args.trace else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = json.loads(self.proc.stdout.readline())
         self.address, self.peer = hello["address"], bytes.fromhex(hello["peer"])
@@ -155,7 +165,7 @@ def variant(transport: str, cap: int) -> str:
 
 def measure(args) -> dict:
     agent = NixlAgent("127.0.0.1") if "nixl" in args.transports else None
-    receivers = [Receiver(t, args.shape, args.tokens, args.trace) for t in args.transports]
+    receivers = [Receiver(t, args) for t in args.transports]
     gen = torch.Generator().manual_seed(0)
     kvs = [torch.randn(kv_shape(args.shape, args.tokens), generator=gen)
            for _ in range(SHAPES[args.shape][0])]
@@ -202,13 +212,15 @@ def main() -> None:
     parser.add_argument("--coalesce", nargs="+", type=int, default=[8, 1],
                         help="coalesce_max_parts of each sender compared (1: one layer per "
                              "message, the baseline)")
+    parser.add_argument("--nixl-slots", type=int, default=0,
+                        help="landing slots per NIXL pair (0: TransferConfig's default)")
     parser.add_argument("--trace", action="store_true",
                         help="time each stage of the path on both sides (per layer)")
     parser.add_argument("--output", default="bench/results/transfer.json")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     args = parser.parse_args()
     if args.role == "receiver":
-        run_receiver(args.transports[0], args.shape, args.tokens, args.trace)
+        run_receiver(args.transports[0], args.shape, args.tokens, args.trace, args.nixl_slots)
         return
     torch.set_num_threads(1)
     report(args, measure(args))
@@ -239,6 +251,7 @@ def report(args, m: dict) -> None:
         "bytes_per_prompt": nbytes, "rows": rows, "seconds_per_prompt": m["seconds"],
         "memcpy_bytes_per_s": m["memcpy"], "sender_stats": m["sender_stats"],
         "receiver_stats": m["receiver_stats"], "coalesce": args.coalesce,
+        "nixl_slots_per_pair": args.nixl_slots or TransferConfig().nixl_slots_per_pair,
         "stages_per_layer": stage_rows,
     })
     print(f"wrote {path}")

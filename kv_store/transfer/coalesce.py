@@ -8,23 +8,23 @@ alone goes alone at once, so streaming is never held back to fill a batch.
 
 Over NIXL the window is the landing slots the receiver granted the pair: a message takes at
 most half of them, so the sender writes the next message while the receiver copies the last
-one out (a pipeline two deep), and never more than are free (a slow receiver holds the sender
-back: backpressure, nothing is overwritten).
+one out (a pipeline two deep), and it writes only into slots the receiver handed back (a slow
+receiver holds the sender back: backpressure, nothing is overwritten).
 """
 
 from __future__ import annotations
 
 
-def parts_per_message(ready: int, cap: int, free_slots: int | None = None,
-                      owned_slots: int = 0) -> int:
+def parts_per_message(ready: int, cap: int, window: int | None = None) -> int:
     """Parts to put in the next message.
 
-    `ready`: parts waiting, in order; `cap`: `TransferConfig.coalesce_max_parts`;
-    `free_slots` / `owned_slots`: the NIXL window (None: inline payloads, no window).
-    0 only when nothing is ready or no slot is free (the caller waits for a GRANT)."""
+    `ready`: parts waiting, in order; `cap`: `TransferConfig.coalesce_max_parts`; `window`:
+    the landing slots the receiver granted the pair (None: inline payloads, no window).
+    Over NIXL the sender waits until that many slots are free: when it is ahead of the
+    receiver, waiting costs nothing (the receiver still has the other half to copy) and keeps
+    messages large, where taking each slot as it comes back would settle into one part per
+    message. A lone ready part still goes at once, in the first slot that is free."""
     if ready <= 0 or cap <= 0:
         return 0
     n = min(ready, cap)
-    if free_slots is None:
-        return n
-    return min(n, free_slots, max(1, owned_slots // 2))
+    return n if window is None else min(n, max(1, window // 2))

@@ -8,10 +8,12 @@ transport "nixl"; the control frames stay on the pair (sealed, ticket-tagged, or
 the bytes move through NIXL:
 
     receiver: pair open ─► GRANT{its slots} (backward) ──────────────────────────────┐
-    sender, per LAYER chunk (whole blocks, at most one slot): take a granted slot ◄───┤
-      ─► NIXL WRITE bytes ─► slot   (one copy: CMA on one host, RDMA across)          │
-      ─► LAYER{..., slot} (sealed, tagged) ─► receiver: checks ticket and reservation, │
-         copies slot ─► paged cache (the sink, under its lock) ─► GRANT{slot} ─────────┘
+    sender, per message of k parts (a part: whole blocks of one LAYER, at most a slot; │
+      k from `coalesce`: what is ready, at most half the pair's slots): k free slots ◄─┤
+      ─► one NIXL WRITE of the k parts ─► slots  (CMA on one host, RDMA across)       │
+      ─► LAYER{..., slot}, or BATCH{k of them} (sealed, each part tagged) ─► receiver: │
+         per part: checks ticket and reservation, copies slot ─► paged cache (the     │
+         sink, under its lock); then one GRANT{the k slots} ──────────────────────────┘
 
 Why a landing pool and not the paged cache itself: a one-sided write into the cache could
 land in a block after the decode worker freed it (a cancelled request, its writer not yet
@@ -262,11 +264,11 @@ class NixlSend:
     def _take(self, ready: int, deadline: float) -> list[int]:
         """Slots for the next message of `ready` parts (waits for the receiver to grant one
         back when none is free: backpressure)."""
+        n = parts_per_message(ready, self._cap, self._owned)
         with self._cv:
-            if not self._free:
+            if len(self._free) < n:
                 self.slot_waits += 1
-            self._wait(lambda: bool(self._free), deadline, "granted no landing slot back")
-            n = parts_per_message(ready, self._cap, len(self._free), self._owned)
+            self._wait(lambda: len(self._free) >= n, deadline, "granted no landing slot back")
             return [self._free.pop() for _ in range(n)]
 
     def _wait(self, ready, deadline: float, what: str) -> None:

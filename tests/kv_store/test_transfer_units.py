@@ -11,10 +11,10 @@ import torch
 
 from kv_store.transfer import (
     KVSender,
-    coalesce,
     TransferConfig,
     TransferState,
     auth,
+    coalesce,
     rendezvous,
     state,
     wire,
@@ -104,22 +104,22 @@ def test_a_version_6_peer_is_refused():
         wire.decode_header(data)
 
 
-@pytest.mark.parametrize("ready, cap, free, owned, expected", [
-    (0, 8, None, 0, 0),   # nothing ready
-    (1, 8, None, 0, 1),   # a lone layer goes at once, alone
-    (5, 8, None, 0, 5),   # inline: everything ready, up to the cap
-    (30, 8, None, 0, 8),
-    (30, 1, None, 0, 1),  # cap 1: one part per message (the old behaviour)
-    (30, 8, 8, 8, 4),     # NIXL: half the window, so writing overlaps the receiver's copy
-    (3, 8, 8, 8, 3),
-    (30, 8, 1, 8, 1),     # only what is free: a slow receiver holds the sender back
-    (30, 8, 0, 8, 0),     # none free: wait for a GRANT
-    (30, 8, 1, 1, 1),     # a window of one slot still moves one part at a time
-    (30, 2, 8, 8, 2),
+@pytest.mark.parametrize("ready, cap, window, expected", [
+    (0, 8, None, 0),   # nothing ready
+    (1, 8, None, 1),   # a lone layer goes at once, alone
+    (5, 8, None, 5),   # inline: everything ready, up to the cap
+    (30, 8, None, 8),
+    (30, 1, None, 1),  # cap 1: one part per message (the behaviour before wire v7)
+    (30, 8, 8, 4),     # NIXL: half the window, so writing overlaps the receiver's copy
+    (3, 8, 8, 3),
+    (1, 8, 8, 1),      # a lone layer takes the first free slot
+    (30, 8, 1, 1),     # a window of one slot still moves one part at a time
+    (30, 8, 2, 1),
+    (30, 2, 8, 2),
 ])
 def test_coalescing_takes_what_is_ready_within_the_cap_and_half_the_window(
-        ready, cap, free, owned, expected):
-    assert coalesce.parts_per_message(ready, cap, free, owned) == expected
+        ready, cap, window, expected):
+    assert coalesce.parts_per_message(ready, cap, window) == expected
 
 
 def test_every_header_carries_the_version():
