@@ -190,6 +190,10 @@ class NixlSend:
         self._granted = False  # the receiver's first GRANT arrived
         self._closed = False
 
+    @property
+    def batch_limit(self) -> int:
+        return parts_per_message(self._cap, self._cap, self._owned or None)
+
     def on_grant(self, header: Header) -> None:
         bad = [s for s in header.slots if not 0 <= s < self._peer.num_slots]
         if bad:

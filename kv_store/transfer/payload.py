@@ -44,6 +44,11 @@ class SendPath(Protocol):
         messages as the policy allows; the payload bytes of each item. `timeout_s` bounds
         each wait. `ChannelClosed` when the pair cannot carry them."""
 
+    @property
+    def batch_limit(self) -> int:
+        """Most queued LAYERs the pair hands over at once: one message's worth, so a
+        request's lease is checked again before each message."""
+
     def on_grant(self, header: Header) -> None:
         """The receiver handed over landing slots (GRANT on the backward direction)."""
 
@@ -73,6 +78,10 @@ class InlineSend:
 
     def __init__(self, cap: int = 1) -> None:
         self._cap = cap  # `coalesce_max_parts` (1 on NCCL pairs)
+
+    @property
+    def batch_limit(self) -> int:
+        return self._cap
 
     def send_layers(self, channel: Channel, items: Sequence[Outgoing],
                     timeout_s: float) -> list[int]:

@@ -232,8 +232,9 @@ class SenderPair:
                              FrameAuth.for_end(keys, sender=True) if keys else None)
 
     def _next(self) -> list[Outgoing] | None:
-        """The next message to send, or the LAYERs queued at its head (up to the cap: the
-        path coalesces them); None when the pair closes."""
+        """The next message to send, or the LAYERs queued at its head (one message's worth:
+        the path coalesces them); None when the pair closes."""
+        limit = self._path.batch_limit
         with self._cv:
             while not self._queue and self.accepting:
                 self._cv.wait()
@@ -242,7 +243,7 @@ class SenderPair:
             self._sending = True
             run = [self._queue.popleft()]
             blocks = len(run[0].header.blocks)
-            while (run[0].header.kind is Kind.LAYER and len(run) < self._cap and self._queue
+            while (run[0].header.kind is Kind.LAYER and len(run) < limit and self._queue
                    and self._queue[0].header.kind is Kind.LAYER
                    and blocks + len(self._queue[0].header.blocks) <= MAX_BATCH_BLOCKS):
                 blocks += len(self._queue[0].header.blocks)
