@@ -2,7 +2,8 @@
 this machine's memory copy bandwidth.
 
     python bench/transfer_bench.py [--transports nixl gloo] [--prompts 10] [--tokens 2048]
-                                   [--coalesce 8 1] [--trace] [--shape smollm2|demo]
+                                   [--coalesce 8 1] [--nixl-slots N] [--trace]
+                                   [--shape smollm2|demo]
                                    [--output bench/results/transfer.json]
 
 One receiver process per transport (this script with `--role receiver`) owns a paged KV cache
@@ -15,8 +16,9 @@ memory copy is timed before each round, so every ratio is taken against the same
 machine. Throughput = payload bytes / time from the first `send_layer` to the resolved future.
 
 `--coalesce` compares senders that put up to N ready layers in one message
-(`TransferConfig.coalesce_max_parts`; 1 = one message per layer, the behaviour before wire
-version 7: the baseline, in the same run). `--trace` adds where the time goes per layer,
+(`TransferConfig.coalesce_max_parts`; 1 = one message per layer as before wire version 7,
+though with its framing: the baseline, in the same run); `--nixl-slots` sets the receivers'
+landing slots per pair (the window). `--trace` adds where the time goes per layer,
 stage by stage, on both sides (`stage_trace`: wall time inside the named functions, waits
 included); use it with one `--coalesce` value, since the stages add up over all variants.
 
