@@ -2,7 +2,9 @@
 this machine's memory copy bandwidth.
 
     python bench/transfer_bench.py [--transports nixl gloo] [--prompts 10] [--tokens 2048]
-                                   [--shape smollm2|demo] [--output bench/results/transfer.json]
+                                   [--coalesce 8 1] [--nixl-slots N] [--trace]
+                                   [--shape smollm2|demo]
+                                   [--output bench/results/transfer.json]
 
 One receiver process per transport (this script with `--role receiver`) owns a paged KV cache
 of the model's shape and a `KVReceiver` whose sink copies every layer into it, as a decode
@@ -12,6 +14,13 @@ pool gets gloo from the same sender, as in a worker), sending each prompt's KV l
 and waiting for the DONE marker to be sent. Prompts alternate between the transports, and a
 memory copy is timed before each round, so every ratio is taken against the same moment's
 machine. Throughput = payload bytes / time from the first `send_layer` to the resolved future.
+
+`--coalesce` compares senders that put up to N ready layers in one message
+(`TransferConfig.coalesce_max_parts`; 1 = one message per layer as before wire version 7,
+though with its framing: the baseline, in the same run); `--nixl-slots` sets the receivers'
+landing slots per pair (the window). `--trace` adds where the time goes per layer,
+stage by stage, on both sides (`stage_trace`: wall time inside the named functions, waits
+included); use it with one `--coalesce` value, since the stages add up over all variants.
 
 Shapes (2048 tokens, fp32): `smollm2` (the default model: 30 layers x 128 blocks of 16 tokens x
 3 KV heads x 64 dims, 3 MiB per layer, 90 MiB per prompt), `demo` (12 layers x 4 heads: 48 MiB).
@@ -34,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
+from bench.stage_trace import StageTrace  # noqa: E402
 from kv_store.transfer import KVReceiver, KVSender, TransferConfig  # noqa: E402
 from kv_store.transfer.nixl_agent import NixlAgent  # noqa: E402
 from pdserve.demo_model import DemoModelConfig  # noqa: E402
@@ -68,17 +78,48 @@ class CacheSink:
         print(json.dumps({"failed": request_id, "reason": reason}), file=sys.stderr, flush=True)
 
 
-def run_receiver(transport: str, shape: str, tokens: int) -> None:
+def receiver_config(slots: int) -> TransferConfig:
+    """The defaults, or `slots` landing slots per pair (the pool grown to hold 2 pairs)."""
+    if not slots:
+        return TransferConfig()
+    slot = TransferConfig().nixl_slot_bytes
+    return TransferConfig(nixl_slots_per_pair=slots,
+                          nixl_pool_bytes=max(TransferConfig().nixl_pool_bytes, 2 * slots * slot))
+
+
+SENDER_STAGES = (
+    "kv_store.transfer.sender:KVSender.send_layer",        # the caller: queue one layer
+    "kv_store.transfer.sender_pair:SenderPair._send",      # the pair thread: one message
+    "kv_store.transfer.nixl_path:NixlSend._take",          # waiting for a landing slot
+    "kv_store.transfer.nixl_agent:NixlAgent.register",
+    "kv_store.transfer.nixl_agent:NixlAgent.write",        # the NIXL write itself
+    "kv_store.transfer.channel:Channel.send_frame",        # headers (and inline payloads)
+)
+RECEIVER_STAGES = (
+    "kv_store.transfer.channel:Channel.recv_header",       # includes waiting for the sender
+    "kv_store.transfer.channel:Channel.recv_payload",      # inline payloads
+    "kv_store.transfer.receiver:KVReceiver.on_message",    # ticket, record, sink
+    "__main__:CacheSink.on_layer",                         # the copy into the paged cache
+    "kv_store.transfer.nixl_path:NixlReceive.release",     # the GRANT back
+)
+
+
+def run_receiver(transport: str, shape: str, tokens: int, trace: bool, slots: int) -> None:
     torch.set_num_threads(1)
     agent = NixlAgent("127.0.0.1") if transport == "nixl" else None
     sink = CacheSink(SHAPES[shape][0], kv_shape(shape, tokens))
-    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(), nixl=agent) as receiver:
+    stages = StageTrace()
+    with (stages.wrapping(RECEIVER_STAGES if trace else ()),
+          KVReceiver("127.0.0.1", 0, sink, receiver_config(slots), nixl=agent) as receiver):
         receiver.start()
         print(json.dumps({"address": receiver.address,
                           "peer": receiver.nixl_descriptor.hex()}), flush=True)
-        for line in sys.stdin:  # one line per stats request; EOF ends the receiver
+        for line in sys.stdin:  # one line per request; EOF ends the receiver
             if line.strip() == "stats":
-                print(json.dumps(receiver.stats()), flush=True)
+                print(json.dumps({**receiver.stats(), "stages": stages.snapshot()}),
+                      flush=True)
+            elif line.strip() == "reset":
+                stages.reset()
     if agent is not None:
         agent.close()
 
@@ -86,11 +127,12 @@ def run_receiver(transport: str, shape: str, tokens: int) -> None:
 class Receiver:
     """A receiver child process for one transport."""
 
-    def __init__(self, transport: str, shape: str, tokens: int) -> None:
+    def __init__(self, transport: str, args) -> None:
         self.transport = transport
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--role", "receiver", "--transports", transport,
-             "--shape", shape, "--tokens", str(tokens)],
+             "--shape", args.shape, "--tokens", str(args.tokens),
+             "--nixl-slots", str(args.nixl_slots), *(["--trace"] if args.trace else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = json.loads(self.proc.stdout.readline())
         self.address, self.peer = hello["address"], bytes.fromhex(hello["peer"])
@@ -99,6 +141,10 @@ class Receiver:
         self.proc.stdin.write("stats\n")
         self.proc.stdin.flush()
         return json.loads(self.proc.stdout.readline())
+
+    def reset_trace(self) -> None:
+        self.proc.stdin.write("reset\n")
+        self.proc.stdin.flush()
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -115,33 +161,47 @@ def send_prompt(sender: KVSender, rx: Receiver, rid: str, kvs: list[torch.Tensor
     return time.perf_counter() - t0, result.bytes_sent
 
 
+def variant(transport: str, cap: int) -> str:
+    return f"{transport} <={cap}/msg"
+
+
 def measure(args) -> dict:
     agent = NixlAgent("127.0.0.1") if "nixl" in args.transports else None
-    receivers = [Receiver(t, args.shape, args.tokens) for t in args.transports]
+    receivers = [Receiver(t, args) for t in args.transports]
     gen = torch.Generator().manual_seed(0)
     kvs = [torch.randn(kv_shape(args.shape, args.tokens), generator=gen)
            for _ in range(SHAPES[args.shape][0])]
-    seconds: dict[str, list[float]] = {t: [] for t in args.transports}
-    copies, nbytes = [], 0
+    seconds = {variant(rx.transport, c): [] for c in args.coalesce for rx in receivers}
+    copies, nbytes, stages = [], 0, StageTrace()
+    senders = {c: KVSender(TransferConfig(coalesce_max_parts=c), nixl=agent)
+               for c in args.coalesce}
     try:
-        with KVSender(TransferConfig(), nixl=agent) as sender:
+        for cap, sender in senders.items():
             for rx in receivers:
                 sender.add_peer(rx.address, rx.peer)
-                send_prompt(sender, rx, f"warm-{rx.transport}", kvs)  # opens the pair
+                send_prompt(sender, rx, f"warm-{rx.transport}-c{cap}", kvs)  # opens the pair
+        for rx in receivers:
+            rx.reset_trace()
+        with stages.wrapping(SENDER_STAGES if args.trace else ()):
             for i in range(args.prompts):
                 copies.append(memcpy_bandwidth(256 * 2**20))
-                for rx in receivers:
-                    dt, nbytes = send_prompt(sender, rx, f"p{i}-{rx.transport}", kvs)
-                    seconds[rx.transport].append(dt)
-            sender_stats = sender.stats()
+                for cap, sender in senders.items():
+                    for rx in receivers:
+                        dt, nbytes = send_prompt(sender, rx, f"p{i}-{rx.transport}-c{cap}",
+                                                 kvs)
+                        seconds[variant(rx.transport, cap)].append(dt)
+        sender_stats = {c: s.stats() for c, s in senders.items()}
         receiver_stats = {rx.transport: rx.stats() for rx in receivers}
     finally:
+        for sender in senders.values():
+            sender.close()
         for rx in receivers:
             rx.close()
         if agent is not None:
             agent.close()
     return {"seconds": seconds, "memcpy": copies, "bytes": nbytes,
-            "sender_stats": sender_stats, "receiver_stats": receiver_stats}
+            "sender_stats": sender_stats, "receiver_stats": receiver_stats,
+            "sender_stages": stages.snapshot()}
 
 
 def main() -> None:
@@ -151,11 +211,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--shape", default="smollm2", choices=list(SHAPES))
+    parser.add_argument("--coalesce", nargs="+", type=int, default=[8, 1],
+                        help="coalesce_max_parts of each sender compared (1: one layer per "
+                             "message, the baseline)")
+    parser.add_argument("--nixl-slots", type=int, default=0,
+                        help="landing slots per NIXL pair (0: TransferConfig's default)")
+    parser.add_argument("--trace", action="store_true",
+                        help="time each stage of the path on both sides (per layer)")
     parser.add_argument("--output", default="bench/results/transfer.json")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
     args = parser.parse_args()
     if args.role == "receiver":
-        run_receiver(args.transports[0], args.shape, args.tokens)
+        run_receiver(args.transports[0], args.shape, args.tokens, args.trace, args.nixl_slots)
         return
     torch.set_num_threads(1)
     report(args, measure(args))
@@ -166,7 +233,7 @@ def report(args, m: dict) -> None:
     rows = []
     for t, secs in m["seconds"].items():
         ratios = [nbytes / s / c for s, c in zip(secs, m["memcpy"], strict=True)]
-        rows.append({"transport": t, "MiB/prompt": nbytes / 2**20,
+        rows.append({"variant": t, "MiB/prompt": nbytes / 2**20,
                      "s/prompt": statistics.median(secs),
                      "GB/s median": nbytes / statistics.median(secs) / 1e9,
                      "GB/s best": nbytes / min(secs) / 1e9, "memcpy GB/s": copy_bw / 1e9,
@@ -175,15 +242,34 @@ def report(args, m: dict) -> None:
     print(f"\nKV transfer, {args.shape} shape, {args.tokens} tokens ({layers} layers), "
           f"{args.prompts} prompts per transport, load average {os.getloadavg()[0]:.1f}")
     print_table(rows, list(rows[0]))
+    stage_rows = trace_rows(args, m) if args.trace else []
+    if stage_rows:
+        print("\nwhere the time goes, per layer sent (wall time inside each stage, any thread)")
+        print_table(stage_rows, list(stage_rows[0]))
     path = write_json(args.output, {
         "bench": "transfer", "shape": args.shape, "tokens": args.tokens,
         "load_average_1_5_15m": list(os.getloadavg()),  # the machine is shared: context
         "kv_shape_per_layer": list(kv_shape(args.shape, args.tokens)), "dtype": "float32",
         "bytes_per_prompt": nbytes, "rows": rows, "seconds_per_prompt": m["seconds"],
         "memcpy_bytes_per_s": m["memcpy"], "sender_stats": m["sender_stats"],
-        "receiver_stats": m["receiver_stats"],
+        "receiver_stats": m["receiver_stats"], "coalesce": args.coalesce,
+        "nixl_slots_per_pair": args.nixl_slots or TransferConfig().nixl_slots_per_pair,
+        "stages_per_layer": stage_rows,
     })
     print(f"wrote {path}")
+
+
+def trace_rows(args, m: dict) -> list[dict]:
+    layers = SHAPES[args.shape][0] * args.prompts * len(args.coalesce)
+    rows = []
+    sides = [("sender", m["sender_stages"], len(args.transports))]
+    sides += [(f"receiver {t}", s["stages"], 1) for t, s in m["receiver_stats"].items()]
+    for side, stages, share in sides:
+        for stage, v in stages.items():
+            rows.append({"side": side, "stage": stage,
+                         "calls/layer": v["calls"] / (layers * share),
+                         "ms/layer": 1e3 * v["seconds"] / (layers * share)})
+    return rows
 
 
 if __name__ == "__main__":

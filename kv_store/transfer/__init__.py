@@ -9,11 +9,16 @@ tensors move as tensors. Per-request state machines are described in `state`.
     sender side (prefill):  KVSender.send_layer(...) × layers → KVSender.finish(...) → Future
     receiver side (decode): KVReceiver(host, port, sink).start(); sink.on_layer/on_done/on_failed
 
+Layers stream one by one; layers that are ready together (a prefill chunk's end, a pull, a
+backlog behind a slow receiver) share one message (`coalesce`, wire `BATCH`).
+
 Modules: `config` (TransferConfig), `state` (lifecycle, results, errors), `wire` (framing and
 version), `rendezvous` (pair opening), `channel` (process groups of one pair), `sender_pair` /
-`receiver_pair` (one pair's threads), `sender` / `receiver` (the two engines), `checks`
-(argument validation), `stats`, `auth` (authenticated pairs, and the tickets that bind a
-transfer to the hand-off that announced it: `new_ticket`).
+`receiver_pair` (one pair's threads), `payload` (how a pair moves payloads: inline) and
+`nixl_path` / `nixl_agent` (NIXL landing pools), `coalesce` (how many ready layers one message
+carries), `sender` / `receiver` (the two engines), `checks` (argument validation), `stats`,
+`auth` (authenticated pairs, and the tickets that bind a transfer to the hand-off that
+announced it: `new_ticket`).
 """
 
 from kv_store.transfer.auth import new_ticket

@@ -3,16 +3,24 @@
 A `Channel` is one end of a pair: a 2-rank gloo group for control messages (and CPU payloads)
 and, on NCCL pairs, a 2-rank NCCL group for CUDA payloads. Groups are built directly on a
 `PrefixStore` of the receiver's TCPStore, never through the global default group, because one
-process talks to many peers. The receiver is rank 0, the sender rank 1. Messages from sender to
-receiver use `FORWARD_TAG`; the receiver's rare messages back (close requests) use `BACKWARD_TAG`,
-read by a dedicated thread on the sender that doubles as its failure detector.
+process talks to many peers. The receiver is rank 0, the sender rank 1. Headers from sender to
+receiver use `FORWARD_TAG`, their inline payloads `PAYLOAD_TAG`; the receiver's messages back
+(slot grants, close requests) use `BACKWARD_TAG`, read by a dedicated thread on the sender that
+doubles as its failure detector.
+
+A gloo send completes only once the peer has posted the matching receive (a round trip of
+notifications between the two processes' gloo threads). So a header is one frame (its length
+inside) received into a buffer of the largest header's size, and each reader keeps the
+receive of its next frame posted while it handles the current one (`_FrameReader`): a header
+or a GRANT then lands at once, without a round trip; since payloads have their own tag, a
+posted header receive never swallows one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
 import torch
@@ -28,7 +36,9 @@ RECEIVER_RANK = 0
 SENDER_RANK = 1
 FORWARD_TAG = 0
 BACKWARD_TAG = 1
+PAYLOAD_TAG = 2  # inline payloads (forward): apart from headers, whose receive stays posted
 _ABORT_TAG = 7  # never used by a message: a recv on it exists only to time out (see abort)
+_LENGTH_BYTES = 8  # a header frame: little-endian byte count, then the (sealed) header
 
 
 class ChannelClosed(RuntimeError):
@@ -86,6 +96,7 @@ class Channel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()  # seal, post and wait one message at a time
         self._aborted = False
+        self._readers: dict[int, _FrameReader] = {}  # by tag; one reading thread per tag
 
     @property
     def device(self) -> torch.device:
@@ -96,16 +107,20 @@ class Channel:
         """Send one message and wait until the backend is done with it; return payload bytes.
         Thread-safe: a receiver's pair thread (slot grants) and its watchdog (close requests)
         both write the backward direction, and sealed frames must go out in sequence order."""
+        return sum(self.send_frame(tag, header, () if payload is None else (payload,),
+                                   timeout_s))
+
+    def send_frame(self, tag: int, header: Header, payloads: Sequence[torch.Tensor],
+                   timeout_s: float) -> list[int]:
+        """Send a header and the payloads that follow it (a BATCH's inline parts, in order),
+        posted together and waited for once; the bytes of each payload."""
         with self._send_lock, self._closed_on_error(), self._on_device():
             works = self._post_header(tag, wire.encode_header(header))
-            nbytes = 0
-            if payload is not None:
-                carrier = wire.to_carrier(self._staged(payload))
-                nbytes = carrier.numel() * carrier.element_size()
-                works.append(self._group_for(carrier).send([carrier], self._peer, tag))
+            carriers = [wire.to_carrier(self._staged(p)) for p in payloads]  # alive until sent
+            works += [self._group_for(c).send([c], self._peer, PAYLOAD_TAG) for c in carriers]
             for work in works:
                 work.wait(timedelta(seconds=timeout_s))
-        return nbytes
+        return [c.numel() * c.element_size() for c in carriers]
 
     def send_raw_header(self, tag: int, data: bytes, timeout_s: float) -> None:
         """Send already-encoded header bytes (lets tests speak a foreign protocol version)."""
@@ -114,23 +129,21 @@ class Channel:
                 work.wait(timedelta(seconds=timeout_s))
 
     def recv_header(self, tag: int, timeout_s: float) -> Header:
-        """Wait up to `timeout_s` for the next message's header; `ProtocolError` if foreign."""
+        """Wait up to `timeout_s` for the next message's header; `ProtocolError` if foreign.
+        One thread per tag."""
         with self._closed_on_error():
-            length = torch.zeros(1, dtype=torch.int64)
-            self._gloo.recv([length], self._peer, tag).wait(timedelta(seconds=timeout_s))
-            n = int(length.item())
-            if not 0 < n <= wire.MAX_HEADER_BYTES:
-                raise ProtocolError(f"header length {n} out of range (1..{wire.MAX_HEADER_BYTES})")
-            data = torch.empty(n, dtype=torch.uint8)
-            self._gloo.recv([data], self._peer, tag).wait(timedelta(seconds=timeout_s))
-        frame = data.numpy().tobytes()
+            reader = self._readers.get(tag)
+            if reader is None:
+                reader = self._readers[tag] = _FrameReader(self._gloo, self._peer, tag)
+            frame = reader.next(timeout_s)
         return wire.decode_header(self._auth.opener.open(frame) if self._auth else frame)
 
-    def recv_payload(self, tag: int, header: Header, timeout_s: float) -> torch.Tensor:
-        """Receive the payload announced by a LAYER header, in the header's dtype."""
+    def recv_payload(self, header: Header, timeout_s: float) -> torch.Tensor:
+        """Receive the inline payload announced by a LAYER header, in the header's dtype."""
         with self._closed_on_error(), self._on_device():
             buf = wire.empty_carrier(header.shape, header.dtype, self._device)
-            self._group_for(buf).recv([buf], self._peer, tag).wait(timedelta(seconds=timeout_s))
+            self._group_for(buf).recv([buf], self._peer, PAYLOAD_TAG).wait(
+                timedelta(seconds=timeout_s))
         return wire.from_carrier(buf, header.dtype)
 
     def abort(self) -> None:
@@ -155,12 +168,11 @@ class Channel:
     def _post_header(self, tag: int, data: bytes) -> list[dist.Work]:
         if self._auth is not None:
             data = self._auth.sealer.seal(data)
-        length = torch.tensor([len(data)], dtype=torch.int64)
-        body = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        return [
-            self._gloo.send([length], self._peer, tag),
-            self._gloo.send([body], self._peer, tag),
-        ]
+        if len(data) > wire.MAX_HEADER_BYTES:
+            raise ValueError(f"header of {len(data)} bytes exceeds {wire.MAX_HEADER_BYTES}")
+        frame = torch.frombuffer(bytearray(len(data).to_bytes(_LENGTH_BYTES, "little") + data),
+                                 dtype=torch.uint8)
+        return [self._gloo.send([frame], self._peer, tag)]
 
     def _staged(self, payload: torch.Tensor) -> torch.Tensor:
         if payload.is_cuda and self._nccl is None:
@@ -186,6 +198,35 @@ class Channel:
             raise
         except RuntimeError as exc:  # gloo/NCCL report a dead or timed-out pair this way
             raise ChannelClosed(_first_line(exc)) from exc
+
+
+class _FrameReader:
+    """Header frames of one tag, the next one's receive always posted (see the module
+    docstring). Two buffers take turns: one is parsed while the other is being filled."""
+
+    def __init__(self, gloo: dist.ProcessGroup, peer: int, tag: int) -> None:
+        self._gloo, self._peer, self._tag = gloo, peer, tag
+        size = _LENGTH_BYTES + wire.MAX_HEADER_BYTES  # untouched pages are never resident
+        self._buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(2)]
+        self._turn = 0
+        self._work = self._post()
+
+    def _post(self) -> dist.Work:
+        return self._gloo.recv([self._buffers[self._turn]], self._peer, self._tag)
+
+    def next(self, timeout_s: float) -> bytes:
+        """The next frame's header bytes (copied out)."""
+        self._work.wait(timedelta(seconds=timeout_s))
+        buf = self._buffers[self._turn]
+        self._turn ^= 1
+        self._work = self._post()  # before parsing: the next frame may land meanwhile
+        # A frame shorter than its length would leave an older frame's bytes behind: on an
+        # authenticated pair they fail the sequence-numbered MAC (an open pair trusts its
+        # sender anyway).
+        n = int.from_bytes(buf[:_LENGTH_BYTES].numpy().tobytes(), "little")
+        if not 0 < n <= wire.MAX_HEADER_BYTES:
+            raise ProtocolError(f"header length {n} out of range (1..{wire.MAX_HEADER_BYTES})")
+        return buf[_LENGTH_BYTES:_LENGTH_BYTES + n].numpy().tobytes()
 
 
 def _first_line(exc: BaseException) -> str:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kv_store.transfer.wire import MAX_BATCH_PARTS
+
 BACKENDS = ("auto", "gloo", "nccl")
 
 
@@ -60,18 +62,26 @@ class TransferConfig:
     the address this machine uses to reach the receiver). A worker passes its `--host`, so
     nothing it opens listens on another interface."""
 
-    nixl_pool_bytes: int = 64 << 20
+    nixl_pool_bytes: int = 128 << 20
     """Receiver with a NIXL agent: bytes of its landing pool, registered once, into which
-    senders write payloads before their LAYER header (`nixl_path`)."""
+    senders write payloads before their LAYER header (`nixl_path`): full windows for four
+    pairs at the defaults."""
 
     nixl_slot_bytes: int = 4 << 20
     """Size of one landing slot; a larger payload is sent in several chunks of whole
     blocks (a single block larger than a slot travels inline over gloo)."""
 
-    nixl_slots_per_pair: int = 4
+    nixl_slots_per_pair: int = 8
     """Slots a receiver grants each NIXL pair (fewer when the pool runs low; none: that
-    pair's payloads travel inline). Two or more let a sender write one while the receiver
-    copies another out."""
+    pair's payloads travel inline): the pair's window. A message takes at most half of it
+    (`coalesce`), so a sender writes one while the receiver copies another out; 8 lets four
+    3 MiB layers share a message (measured in `docs/perf.md`: 4 slots gave about 30% less)."""
+
+    coalesce_max_parts: int = 8
+    """Sender: most LAYER parts one message carries when several are queued at once (wire
+    `BATCH`, `coalesce`); a part alone goes alone at once. 1: one message per part, as
+    before wire version 7 (the benchmarks' baseline). NCCL pairs always send one per
+    message."""
 
     auth_key: bytes | None = field(default=None, repr=False)
     """KV key derived from the cluster secret (`InternalSecurity.kv_key`): pairs are opened
@@ -92,10 +102,13 @@ class TransferConfig:
             if not isinstance(value, int | float) or value <= 0:
                 raise ValueError(f"TransferConfig.{name} must be a positive number, got {value!r}")
         for name in ("max_pairs", "max_message_bytes", "history_size", "nixl_pool_bytes",
-                     "nixl_slot_bytes", "nixl_slots_per_pair"):
+                     "nixl_slot_bytes", "nixl_slots_per_pair", "coalesce_max_parts"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
+        if self.coalesce_max_parts > MAX_BATCH_PARTS:
+            raise ValueError(f"TransferConfig.coalesce_max_parts must be at most "
+                             f"{MAX_BATCH_PARTS}, got {self.coalesce_max_parts}")
         if self.nixl_slot_bytes > self.nixl_pool_bytes:
             raise ValueError("TransferConfig.nixl_slot_bytes must not exceed nixl_pool_bytes")
         if self.cuda_device is not None and (

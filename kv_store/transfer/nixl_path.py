@@ -8,10 +8,12 @@ transport "nixl"; the control frames stay on the pair (sealed, ticket-tagged, or
 the bytes move through NIXL:
 
     receiver: pair open ─► GRANT{its slots} (backward) ──────────────────────────────┐
-    sender, per LAYER chunk (whole blocks, at most one slot): take a granted slot ◄───┤
-      ─► NIXL WRITE bytes ─► slot   (one copy: CMA on one host, RDMA across)          │
-      ─► LAYER{..., slot} (sealed, tagged) ─► receiver: checks ticket and reservation, │
-         copies slot ─► paged cache (the sink, under its lock) ─► GRANT{slot} ─────────┘
+    sender, per message of k parts (a part: whole blocks of one LAYER, at most a slot; │
+      k from `coalesce`: what is ready, at most half the pair's slots): k free slots ◄─┤
+      ─► one NIXL WRITE of the k parts ─► slots  (CMA on one host, RDMA across)       │
+      ─► LAYER{..., slot}, or BATCH{k of them} (sealed, each part tagged) ─► receiver: │
+         per part: checks ticket and reservation, copies slot ─► paged cache (the     │
+         sink, under its lock); then one GRANT{the k slots} ──────────────────────────┘
 
 Why a landing pool and not the paged cache itself: a one-sided write into the cache could
 land in a block after the decode worker freed it (a cancelled request, its writer not yet
@@ -32,6 +34,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +43,7 @@ import torch
 
 from kv_store.transfer import auth, wire
 from kv_store.transfer.channel import BACKWARD_TAG, FORWARD_TAG, Channel, ChannelClosed
+from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration
 from kv_store.transfer.wire import Header, Kind, ProtocolError
 
@@ -170,16 +174,25 @@ class NixlSend:
 
     transport = "nixl"
 
-    def __init__(self, agent: NixlAgent, peer: NixlDescriptor, fallback: Any) -> None:
+    def __init__(self, agent: NixlAgent, peer: NixlDescriptor, fallback: Any,
+                 cap: int = 1) -> None:
+        """`cap`: `TransferConfig.coalesce_max_parts`."""
         self._agent = agent
         self._peer = peer
         self._peer_name = agent.connect(peer.metadata)
         self._fallback = fallback  # inline path, for payloads that cannot use a slot
+        self._cap = cap
+        self.slot_waits = 0
+        """Times a message waited for the receiver to grant a slot back (backpressure)."""
         self._cv = threading.Condition()
         self._free: list[int] = []
         self._owned = 0
         self._granted = False  # the receiver's first GRANT arrived
         self._closed = False
+
+    @property
+    def batch_limit(self) -> int:
+        return parts_per_message(self._cap, self._cap, self._owned or None)
 
     def on_grant(self, header: Header) -> None:
         bad = [s for s in header.slots if not 0 <= s < self._peer.num_slots]
@@ -197,41 +210,54 @@ class NixlSend:
             self._closed = True
             self._cv.notify_all()
 
-    def send_layer(self, channel: Channel, item: Outgoing, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        header, payload = item.header, wire.to_carrier(item.payload)
-        per_block = payload.numel() * payload.element_size() // max(len(header.blocks), 1)
-        if not self._wait_granted(deadline) or not 0 < per_block <= self._peer.slot_bytes \
-                or not self._peer.accepts(payload):
-            return self._fallback.send_layer(channel, item, timeout_s)
-        if item.ready is not None:
-            item.ready.synchronize()  # a CUDA payload: NIXL copies outside our streams
-        step = self._peer.slot_bytes // per_block
-        n = len(header.blocks)
-        reg = self._agent.register(payload)
+    def send_layers(self, channel: Channel, items: Sequence[Outgoing],
+                    timeout_s: float) -> list[int]:
+        """Write the items' blocks into granted slots, as few messages as `coalesce` allows;
+        an item that cannot use a slot goes inline, in its place in the order."""
+        sizes: list[int] = []
+        parts: list[_Part] = []
+        regs: list[Registration] = []
         try:
-            base = payload.data_ptr()
-            for a in range(0, n, step):
-                b = min(n, a + step)
-                part = header if (a, b) == (0, n) else _part(header, item.ticket, a, b)
-                self._write_part(channel, part, base + a * per_block, (b - a) * per_block,
-                                 payload, deadline)
+            granted = self._wait_granted(time.monotonic() + timeout_s)
+            for item in items:
+                payload = wire.to_carrier(item.payload)
+                nbytes = payload.numel() * payload.element_size()
+                per_block = nbytes // max(len(item.header.blocks), 1)
+                if not granted or not 0 < per_block <= self._peer.slot_bytes \
+                        or not self._peer.accepts(payload):
+                    self._flush(channel, parts, timeout_s)  # what precedes it goes first
+                    self._fallback.send_layers(channel, [item], timeout_s)
+                else:
+                    if item.ready is not None:
+                        item.ready.synchronize()  # a CUDA payload: NIXL copies outside streams
+                    regs.append(self._agent.register(payload))
+                    parts += _split(item, payload, per_block, self._peer.slot_bytes)
+                sizes.append(nbytes)
+            self._flush(channel, parts, timeout_s)
         finally:
-            self._agent.deregister(reg)
-        return payload.numel() * payload.element_size()
+            for reg in regs:
+                self._agent.deregister(reg)
+        return sizes
 
-    def _write_part(self, channel: Channel, header: Header, src: int, nbytes: int,
-                    payload: torch.Tensor, deadline: float) -> None:
-        slot = self._take(deadline)
-        dev = payload.get_device() if payload.is_cuda else 0
-        try:
-            self._agent.write(self._peer_name, self._peer.mem, dev, [(src, nbytes)],
-                              [(self._peer.slot_address(slot), nbytes)],
-                              max(deadline - time.monotonic(), 0.001))
-        except NixlWriteError as exc:
-            raise ChannelClosed(str(exc)) from None
-        channel.send(FORWARD_TAG, dataclasses.replace(header, slot=slot), None,
-                     max(deadline - time.monotonic(), 0.001))
+    def _flush(self, channel: Channel, parts: list[_Part], timeout_s: float) -> None:
+        """Send `parts` (emptying it): per message, one NIXL write of its slots, then its
+        header (a LAYER, or a BATCH of them)."""
+        while parts:
+            deadline = time.monotonic() + timeout_s
+            slots = self._take(len(parts), deadline)
+            run, parts[:] = parts[:len(slots)], parts[len(slots):]
+            dev = run[0].payload.get_device() if run[0].payload.is_cuda else 0
+            try:
+                self._agent.write(self._peer_name, self._peer.mem, dev,
+                                  [(p.src, p.nbytes) for p in run],
+                                  [(self._peer.slot_address(s), p.nbytes)
+                                   for p, s in zip(run, slots, strict=True)],
+                                  max(deadline - time.monotonic(), 0.001))
+            except NixlWriteError as exc:
+                raise ChannelClosed(str(exc)) from None
+            header = wire.batch(tuple(dataclasses.replace(p.header, slot=s)
+                                      for p, s in zip(run, slots, strict=True)))
+            channel.send(FORWARD_TAG, header, None, max(deadline - time.monotonic(), 0.001))
 
     def _wait_granted(self, deadline: float) -> bool:
         """Whether this pair owns slots (waits for the receiver's first GRANT)."""
@@ -239,10 +265,15 @@ class NixlSend:
             self._wait(lambda: self._granted, deadline, "granted no landing slots")
             return self._owned > 0
 
-    def _take(self, deadline: float) -> int:
+    def _take(self, ready: int, deadline: float) -> list[int]:
+        """Slots for the next message of `ready` parts (waits for the receiver to grant one
+        back when none is free: backpressure)."""
+        n = parts_per_message(ready, self._cap, self._owned)
         with self._cv:
-            self._wait(lambda: bool(self._free), deadline, "granted no landing slot back")
-            return self._free.pop()
+            if len(self._free) < n:
+                self.slot_waits += 1
+            self._wait(lambda: len(self._free) >= n, deadline, "granted no landing slot back")
+            return [self._free.pop() for _ in range(n)]
 
     def _wait(self, ready, deadline: float, what: str) -> None:
         """Wait (holding the condition) until `ready()`; `ChannelClosed` at the deadline or
@@ -288,16 +319,38 @@ class NixlReceive:
         return wire.carrier_view(self._pool.view(header.slot, nbytes), header.shape,
                                  header.dtype)
 
-    def release(self, channel: Channel, header: Header, timeout_s: float) -> None:
-        if header.kind is Kind.LAYER and header.slot >= 0:
-            self._out.add(header.slot)
-            channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=(header.slot,)), None,
-                         timeout_s)
+    def release(self, channel: Channel, parts: Sequence[Header], timeout_s: float) -> None:
+        slots = tuple(p.slot for p in parts if p.slot >= 0)
+        if slots:  # one GRANT for the whole message
+            self._out.update(slots)
+            channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=slots), None, timeout_s)
 
     def close(self, clean: bool) -> None:
         if self._pool is not None and self._slots:
             self._pool.give_back(self._slots, quarantined=not clean)
             self._slots = []
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Whole blocks of one LAYER that fit a slot: its header and where its bytes are."""
+
+    header: Header
+    payload: torch.Tensor  # the registered carrier (kept alive until written)
+    src: int
+    nbytes: int
+
+
+def _split(item: Outgoing, payload: torch.Tensor, per_block: int, slot_bytes: int
+           ) -> list[_Part]:
+    """The item's blocks in parts of at most one slot (the header as is when one is enough;
+    each part tagged again under the transfer's ticket otherwise)."""
+    header, n = item.header, len(item.header.blocks)
+    step = slot_bytes // per_block
+    base = payload.data_ptr()
+    return [_Part(header if (a, b) == (0, n) else _part(header, item.ticket, a, b), payload,
+                  base + a * per_block, (b - a) * per_block)
+            for a in range(0, n, step) for b in (min(n, a + step),)]
 
 
 def _part(header: Header, ticket: bytes, a: int, b: int) -> Header:

@@ -4,10 +4,13 @@ Everything else about a transfer is the same whatever carries the bytes — the 
 ordered control frames over gloo, tickets, leases, the state machines of `state` — so a pair
 differs from another only in its payload path, chosen when the pair opens:
 
-    sender pair thread:    item ─► SendPath.send_layer(channel, item) ─► header(s) (+ bytes)
+    sender pair thread:    items ─► SendPath.send_layers(channel, items) ─► message(s)
     sender reader thread:  GRANT ─► SendPath.on_grant(header)
-    receiver pair thread:  start(channel) ─► header ─► payload(channel, header) ─► handler
-                           ─► release(channel, header) ... ─► close(clean)
+    receiver pair thread:  start(channel) ─► message ─► payload(channel, part) ─► handler,
+                           for each LAYER part ─► release(channel, parts) ... ─► close(clean)
+
+The pair thread hands the path every LAYER that is queued (up to `coalesce_max_parts`), and
+the path puts parts that are ready together into one message (`coalesce`).
 
 `InlineSend` / `InlineReceive` (here): the payload tensor follows its header on the pair —
 gloo for CPU tensors, NCCL for CUDA ones (`Channel`). `NixlSend` / `NixlReceive`
@@ -18,11 +21,14 @@ the slot back.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from kv_store.transfer import wire
 from kv_store.transfer.channel import FORWARD_TAG, Channel
+from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.wire import Header, ProtocolError
 
 if TYPE_CHECKING:
@@ -32,9 +38,16 @@ if TYPE_CHECKING:
 class SendPath(Protocol):
     """The sender end of a pair's payload path (used by the pair's two threads)."""
 
-    def send_layer(self, channel: Channel, item: Outgoing, timeout_s: float) -> int:
-        """Put one LAYER message (header and bytes) on the pair; payload bytes moved.
-        `ChannelClosed` when the pair cannot carry it."""
+    def send_layers(self, channel: Channel, items: Sequence[Outgoing],
+                    timeout_s: float) -> list[int]:
+        """Put these LAYERs (headers and bytes, in order) on the pair, coalesced into as few
+        messages as the policy allows; the payload bytes of each item. `timeout_s` bounds
+        each wait. `ChannelClosed` when the pair cannot carry them."""
+
+    @property
+    def batch_limit(self) -> int:
+        """Most queued LAYERs the pair hands over at once: one message's worth, so a
+        request's lease is checked again before each message."""
 
     def on_grant(self, header: Header) -> None:
         """The receiver handed over landing slots (GRANT on the backward direction)."""
@@ -53,8 +66,8 @@ class ReceivePath(Protocol):
         """The payload of a LAYER header, valid until `release` (`ProtocolError` if the
         header names something this pair was not given)."""
 
-    def release(self, channel: Channel, header: Header, timeout_s: float) -> None:
-        """The handler is done with the payload of `header`."""
+    def release(self, channel: Channel, parts: Sequence[Header], timeout_s: float) -> None:
+        """The handler is done with the payloads of these LAYER parts (one message's)."""
 
     def close(self, clean: bool) -> None:
         """The pair ended (`clean`: by the close handshake, so the sender writes no more)."""
@@ -63,10 +76,26 @@ class ReceivePath(Protocol):
 class InlineSend:
     """Payload tensors follow their header on the pair (gloo, or NCCL for CUDA pairs)."""
 
-    def send_layer(self, channel: Channel, item: Outgoing, timeout_s: float) -> int:
-        if item.ready is not None:  # order our stream after the producer's
-            torch.cuda.current_stream(item.payload.device).wait_event(item.ready)
-        return channel.send(FORWARD_TAG, item.header, item.payload, timeout_s)
+    def __init__(self, cap: int = 1) -> None:
+        self._cap = cap  # `coalesce_max_parts` (1 on NCCL pairs)
+
+    @property
+    def batch_limit(self) -> int:
+        return self._cap
+
+    def send_layers(self, channel: Channel, items: Sequence[Outgoing],
+                    timeout_s: float) -> list[int]:
+        sizes: list[int] = []
+        while len(sizes) < len(items):
+            run = items[len(sizes):len(sizes) + parts_per_message(len(items) - len(sizes),
+                                                                   self._cap)]
+            for item in run:
+                if item.ready is not None:  # order our stream after the producer's
+                    torch.cuda.current_stream(item.payload.device).wait_event(item.ready)
+            header = wire.batch(tuple(item.header for item in run))
+            sizes += channel.send_frame(FORWARD_TAG, header, [it.payload for it in run],
+                                        timeout_s)
+        return sizes
 
     def on_grant(self, header: Header) -> None:
         raise ProtocolError("GRANT on a pair without a landing pool")
@@ -82,9 +111,9 @@ class InlineReceive:
         pass
 
     def payload(self, channel: Channel, header: Header, timeout_s: float) -> torch.Tensor:
-        return channel.recv_payload(FORWARD_TAG, header, timeout_s)
+        return channel.recv_payload(header, timeout_s)
 
-    def release(self, channel: Channel, header: Header, timeout_s: float) -> None:
+    def release(self, channel: Channel, parts: Sequence[Header], timeout_s: float) -> None:
         pass
 
     def close(self, clean: bool) -> None:

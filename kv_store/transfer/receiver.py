@@ -356,7 +356,8 @@ class KVReceiver:
         cfg = self._config
         keys = PairKeys.derive(key, pair_id, sender_nonce, nonce) if key else None
         pair = ReceiverPair(pair_id, hello, self._store.clone(), self._gloo_host(hello),
-                            self._cuda_device(hello), cfg, self, keys)
+                            self._cuda_device(hello), cfg, self, keys,
+                            self._stats.record_message)
         victim = None
         with self._lock:
             live = [p for p in self._pairs.values() if not p.closing]

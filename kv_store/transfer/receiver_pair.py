@@ -1,9 +1,10 @@
 """Receiver end of one pair: builds its channel and runs the receive loop in its own thread.
 
-The loop reads one message at a time (header, then the layer's payload through the pair's
-payload path: inline, or a slot of the NIXL landing pool) and hands it to the `PairHandler`
-(the `KVReceiver`), so the messages of a pair are delivered in the order they were sent; a
-payload is valid only during the handler's call (a landing slot is granted back right after).
+The loop reads one message at a time (header, then the payload of each LAYER it carries —
+one, or a BATCH of them — through the pair's payload path: inline, or a slot of the NIXL
+landing pool) and hands each part to the `PairHandler` (the `KVReceiver`), so the layers of
+a pair are delivered in the order they were sent; a payload is valid only during the
+handler's call (the message's landing slots are granted back, in one GRANT, right after).
 The pair ends when the sender says CLOSE (clean), when the connection breaks, when the sender
 stays silent longer than it promised, or on a protocol error (the pair is closed).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -50,9 +52,11 @@ class ReceiverPair:
     def __init__(
         self, pair_id: int, hello: Hello, store: dist.Store, host: str,
         cuda_device: torch.device | None, config: TransferConfig, handler: PairHandler,
-        keys: PairKeys | None = None,
+        keys: PairKeys | None = None, on_parts: Callable[[int], None] | None = None,
     ) -> None:
+        """`on_parts(n)`: a message carrying n LAYER parts arrived (for the counters)."""
         self.pair_id = pair_id
+        self._on_parts = on_parts
         self._path: ReceivePath = InlineReceive()
         self._auth = FrameAuth.for_end(keys, sender=False) if keys is not None else None
         self.peer = hello.sender
@@ -123,12 +127,11 @@ class ReceiverPair:
             self._build()
             self._path.start(self._channel, self._config.io_timeout_s)
             while (header := self._next()) is not None:
-                payload = self._payload(header)
                 self.last_used = time.monotonic()
-                try:
-                    self._handler.on_message(self, header, payload)
-                finally:
-                    self._path.release(self._channel, header, self._config.io_timeout_s)
+                if header.kind in (Kind.LAYER, Kind.BATCH):
+                    self._deliver(wire.layers_of(header))
+                else:
+                    self._handler.on_message(self, header, None)
             clean = True
         except ProtocolError as exc:
             reason = f"protocol error from sender {self.peer}, pair closed: {exc}"
@@ -157,9 +160,22 @@ class ReceiverPair:
         header = self._channel.recv_header(FORWARD_TAG, self._hello.quiet_limit_s)
         return None if header.kind is Kind.CLOSE else header
 
-    def _payload(self, header: Header) -> torch.Tensor | None:
-        if header.kind is not Kind.LAYER:
-            return None
+    def _deliver(self, parts: tuple[Header, ...]) -> None:
+        """Hand over a message's LAYER parts one by one (a refused part's payload is still
+        read, so framing holds), then release their payloads together (one GRANT)."""
+        if self._on_parts is not None:
+            self._on_parts(len(parts))
+        taken: list[Header] = []
+        try:
+            for part in parts:
+                payload = self._payload(part)
+                taken.append(part)
+                self._handler.on_message(self, part, payload)
+        finally:
+            if taken:
+                self._path.release(self._channel, taken, self._config.io_timeout_s)
+
+    def _payload(self, header: Header) -> torch.Tensor:
         nbytes = wire.payload_nbytes(header.shape, header.dtype)
         if nbytes > self._config.max_message_bytes:
             raise ProtocolError(f"payload of {nbytes} bytes exceeds max_message_bytes")

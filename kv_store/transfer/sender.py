@@ -2,8 +2,13 @@
 
 Owns the requests being sent (their state, lease and future) and the table of pairs to
 receivers (capped, least recently used first out, idle ones closed). Layers are queued on the
-pair of their receiver and sent by that pair's thread, so `send_layer` never blocks on the wire.
-A housekeeping thread enforces leases and idle timeouts.
+pair of their receiver and sent by that pair's thread, so `send_layer` never blocks on the wire;
+layers that wait in the queue together leave in one message (`coalesce`). A housekeeping
+thread enforces leases and idle timeouts.
+
+A request's future resolves when its DONE is on the wire, handed to the receiver's pair (frames
+are pipelined: the receiver may still be copying earlier layers); whether every layer landed
+is the receiving sink's verdict, which the workers act on.
 
 A request's lease starts with its first call (`lease_s`, at most `TransferConfig.lease_s`) and
 covers everything up to its DONE marker being on the wire; every header carries what is left
@@ -188,7 +193,9 @@ class KVSender:
         with self._lock:
             extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests),
                      "pairs_nixl": sum(1 for p in self._pairs.values()
-                                       if p.transport == "nixl")}
+                                       if p.transport == "nixl"),
+                     # waits for a landing slot to come back (backpressure), open pairs
+                     "nixl_slot_waits": sum(p.slot_waits for p in self._pairs.values())}
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:

@@ -6,13 +6,14 @@ Pair lifecycle::
          │                           │                                            │
          └───────── rendezvous refused or failed, connection lost, protocol error ┴──► BROKEN
 
-Messages leave in the order they were queued; an abort jumps the queue. The send thread is the
-only writer of the forward direction; the reader thread waits on the backward direction (close
-requests, and the landing slots of a NIXL pair), so a dead receiver is noticed at once even
-while the pair is quiet. LAYER payloads go through the pair's payload path (`payload`): inline
-on gloo/NCCL, or NIXL writes into the receiver's landing pool (`nixl_path`). The pair never
-decides about requests: it tells its `PairListener` (the `KVSender`) what goes on the wire and
-when it is down.
+Messages leave in the order they were queued; an abort jumps the queue; LAYERs that are queued
+together are handed to the payload path at once, which coalesces them (`coalesce`: at most
+`coalesce_max_parts`). The send thread is the only writer of the forward direction; the
+reader thread waits on the backward direction (close requests, and the landing slots of a
+NIXL pair), so a dead receiver is noticed at once even while the pair is quiet. LAYER
+payloads go through the pair's payload path (`payload`): inline on gloo/NCCL, or NIXL writes
+into the receiver's landing pool (`nixl_path`). The pair never decides about requests: it
+tells its `PairListener` (the `KVSender`) what goes on the wire and when it is down.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.nixl_agent import NixlAgent
 from kv_store.transfer.nixl_path import NixlDescriptor, NixlSend
 from kv_store.transfer.payload import InlineSend, SendPath
-from kv_store.transfer.wire import Header, Kind, ProtocolError
+from kv_store.transfer.wire import MAX_BATCH_BLOCKS, Header, Kind, ProtocolError
 
 log = logging.getLogger(__name__)
 _NEVER_S = 30 * 86400.0  # the reader's wait: it ends when the pair closes, not on a clock
@@ -106,6 +107,8 @@ class SenderPair:
         self._close_reason = ""
         self._channel: Channel | None = None
         self._nixl = nixl
+        # NCCL pairs send one part per message (coalescing there is untested on hardware)
+        self._cap = 1 if transport == "nccl" else config.coalesce_max_parts
         self._path: SendPath = InlineSend()
         self._store = None  # the TCPStore client; NCCL initialises lazily through it
         self.last_used = time.monotonic()
@@ -125,6 +128,11 @@ class SenderPair:
     @property
     def accepting(self) -> bool:
         return self._state in (PairState.CONNECTING, PairState.OPEN)
+
+    @property
+    def slot_waits(self) -> int:
+        """Times this pair's sender waited for the receiver to grant a landing slot back."""
+        return getattr(self._path, "slot_waits", 0)
 
     def quiet(self) -> bool:
         """Nothing queued and nothing on the wire."""
@@ -190,8 +198,8 @@ class SenderPair:
             return
         self._reader.start()
         try:
-            while (item := self._next()) is not None:
-                self._send(item)
+            while (run := self._next()) is not None:
+                self._send(run)
             if self._state is PairState.CLOSING:
                 self._goodbye()
         except (ChannelClosed, ProtocolError) as exc:
@@ -215,29 +223,42 @@ class SenderPair:
                                                 cfg.auth_key)
         if not reply.ok:
             raise ConnectionRefusedError(f"receiver refused the pair: {reply.reason}")
+        inline = InlineSend(self._cap)
+        self._path = inline
         if self._nixl is not None:  # loads the receiving agent: fails here, not mid-request
-            self._path = NixlSend(*self._nixl, fallback=InlineSend())
+            self._path = NixlSend(*self._nixl, fallback=inline, cap=self._cap)
         store = rendezvous.pair_store(self._store, pair_id)
         return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg,
                              FrameAuth.for_end(keys, sender=True) if keys else None)
 
-    def _next(self) -> Outgoing | None:
+    def _next(self) -> list[Outgoing] | None:
+        """The next message to send, or the LAYERs queued at its head (one message's worth:
+        the path coalesces them); None when the pair closes."""
+        limit = self._path.batch_limit
         with self._cv:
             while not self._queue and self.accepting:
                 self._cv.wait()
             if not self._queue:
                 return None  # closing (or down) and nothing left to say
             self._sending = True
-            return self._queue.popleft()
+            run = [self._queue.popleft()]
+            blocks = len(run[0].header.blocks)
+            while (run[0].header.kind is Kind.LAYER and len(run) < limit and self._queue
+                   and self._queue[0].header.kind is Kind.LAYER
+                   and blocks + len(self._queue[0].header.blocks) <= MAX_BATCH_BLOCKS):
+                blocks += len(self._queue[0].header.blocks)
+                run.append(self._queue.popleft())
+            return run
 
-    def _send(self, item: Outgoing) -> None:
+    def _send(self, run: list[Outgoing]) -> None:
         try:
-            if self._listener.on_wire(self, item):
-                timeout = self._config.io_timeout_s
-                if item.header.kind is Kind.LAYER:
-                    nbytes = self._path.send_layer(self._channel, item, timeout)
-                else:
-                    nbytes = self._channel.send(FORWARD_TAG, item.header, None, timeout)
+            live = [item for item in run if self._listener.on_wire(self, item)]
+            timeout = self._config.io_timeout_s
+            if live and live[0].header.kind is Kind.LAYER:
+                sizes = self._path.send_layers(self._channel, live, timeout)
+            elif live:
+                sizes = [self._channel.send(FORWARD_TAG, live[0].header, None, timeout)]
+            for item, nbytes in zip(live, sizes if live else (), strict=True):
                 self._listener.on_sent(self, item, nbytes)
         finally:
             with self._cv:

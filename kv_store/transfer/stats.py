@@ -22,6 +22,8 @@ class TransferStats:
         self._failed = 0
         self._refused = 0
         self._frames_refused = 0
+        self._messages = 0
+        self._parts = 0
         self._latencies: deque[float] = deque(maxlen=_LATENCY_WINDOW)
 
     def add_sent(self, nbytes: int) -> None:
@@ -34,6 +36,12 @@ class TransferStats:
             self._bytes_received += nbytes
             if nixl:
                 self._bytes_received_nixl += nbytes
+
+    def record_message(self, parts: int) -> None:
+        """A message carrying `parts` LAYER parts arrived (more than one: coalesced)."""
+        with self._lock:
+            self._messages += 1
+            self._parts += parts
 
     def record_done(self, latency_s: float) -> None:
         with self._lock:
@@ -65,6 +73,8 @@ class TransferStats:
                 "transfers_failed": self._failed,
                 "pairs_refused": self._refused,
                 "frames_refused": self._frames_refused,
+                "layer_messages": self._messages,
+                "layer_parts": self._parts,
                 "latency_s": _summary(lat),
             }
         out.update(extra)

@@ -8,6 +8,12 @@ A LAYER whose `slot` is set carries no payload tensor: its bytes were written in
 of the receiver's NIXL landing pool before the header was sent (`nixl_path`); the receiver
 hands the slot back with a GRANT on the backward direction once it copied them out.
 
+A BATCH coalesces several LAYER messages that were ready at once into one frame: its header
+holds the LAYER headers (`parts`, each tagged under its own transfer's ticket), and the
+payloads of the parts without a slot follow it, in order:
+
+    int64[1] length  →  uint8[length] BATCH{parts}  →  payload of each inline part, in order
+
 The header is a msgpack map `{"v": VERSION, "kind": ..., ...}` decoded into one frozen
 `Header`; nothing is ever pickled. The payload moves as a raw tensor in its "carrier" dtype
 (fp8 travels as its uint8 bytes, since the collective backends do not know fp8). The
@@ -26,7 +32,7 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 6
+VERSION = 7
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
@@ -49,6 +55,9 @@ VERSION = 6
 #       its bytes are already in that slot of the receiver's landing pool), a new GRANT kind
 #       (receiver → sender) hands `slots` to the sender, and a hello may name transport
 #       "nixl".
+#   7 — BATCH kind: several LAYER headers (`parts`) in one frame, their inline payloads
+#       following in order, so layers that are ready together cost one message (and, over
+#       NIXL, one write and one GRANT) instead of one each. A v6 peer is refused at its hello.
 
 MAX_BODY_BYTES = 64 << 10
 """Largest DONE body: it names a token or a count, never bulk data."""
@@ -80,6 +89,7 @@ class Kind(Enum):
     ABORT = "abort"
     CLOSE = "close"
     GRANT = "grant"
+    BATCH = "batch"
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class Header:
         ABORT  rid, reason, tag
         CLOSE  reason
         GRANT  slots  (receiver → sender: landing slots it may write now)
+        BATCH  parts  (LAYER headers; the payloads of those without a slot follow)
     """
 
     kind: Kind
@@ -113,6 +124,8 @@ class Header:
     under the ticket's tag: it says where this pair put the bytes, and the pair seals it."""
     slots: tuple[int, ...] = ()
     """GRANT: landing slots the sender may write."""
+    parts: tuple[Header, ...] = ()
+    """BATCH: its LAYER messages, in the order they were queued."""
 
 
 def pack(doc: dict[str, Any]) -> bytes:
@@ -138,11 +151,41 @@ def unpack(data: bytes) -> dict[str, Any]:
 MAX_GRANT_SLOTS = 1024
 """Most slots one GRANT may name."""
 
+MAX_BATCH_PARTS = 64
+"""Most LAYER parts one BATCH may hold."""
+
+MAX_BATCH_BLOCKS = 32768
+"""Most block ids a BATCH's parts may name together (keeps its header far below
+`MAX_HEADER_BYTES`: a block id takes at most 5 bytes)."""
+
+
+def batch(parts: tuple[Header, ...]) -> Header:
+    """One message for `parts` (LAYER headers): the part itself when there is only one."""
+    if not parts or any(p.kind is not Kind.LAYER for p in parts):
+        raise ValueError("a batch holds one or more LAYER headers")
+    if len(parts) > MAX_BATCH_PARTS:
+        raise ValueError(f"a batch holds at most {MAX_BATCH_PARTS} parts, got {len(parts)}")
+    if len(parts) > 1 and sum(len(p.blocks) for p in parts) > MAX_BATCH_BLOCKS:
+        raise ValueError(f"a batch names at most {MAX_BATCH_BLOCKS} blocks")
+    return parts[0] if len(parts) == 1 else Header(Kind.BATCH, parts=tuple(parts))
+
+
+def layers_of(h: Header) -> tuple[Header, ...]:
+    """The LAYER headers a LAYER or BATCH message carries, in order."""
+    return h.parts if h.kind is Kind.BATCH else (h,)
+
 
 def encode_header(h: Header) -> bytes:
-    doc: dict[str, Any] = {"kind": h.kind.value}
     if h.kind is Kind.GRANT:
-        return pack({**doc, "slots": list(h.slots)})
+        return pack({"kind": h.kind.value, "slots": list(h.slots)})
+    if h.kind is Kind.BATCH:
+        return pack({"kind": h.kind.value, "parts": [_doc(p) for p in h.parts]})
+    return pack(_doc(h))
+
+
+def _doc(h: Header) -> dict[str, Any]:
+    """The fields of a LAYER, DONE, ABORT or CLOSE header (without the version)."""
+    doc: dict[str, Any] = {"kind": h.kind.value}
     if h.kind is not Kind.CLOSE:
         doc["rid"] = h.rid
     if h.kind is Kind.LAYER:
@@ -154,7 +197,7 @@ def encode_header(h: Header) -> bytes:
         doc["reason"] = h.reason
     if h.kind is not Kind.CLOSE:
         doc["tag"] = bytes(h.tag)
-    return pack(doc)
+    return doc
 
 
 def decode_header(data: bytes) -> Header:
@@ -173,12 +216,9 @@ def decode_header(data: bytes) -> Header:
             raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
                                 "non-negative ints")
         return Header(kind, slots=slots)
-    rid = _field(doc, "rid", str)
-    if not rid:
-        raise ProtocolError("field 'rid' is empty")
-    tag = _field(doc, "tag", bytes) if "tag" in doc else b""  # absent: an unbound transfer
-    if len(tag) > MAX_TAG_BYTES:
-        raise ProtocolError(f"field 'tag' has {len(tag)} bytes (max {MAX_TAG_BYTES})")
+    if kind is Kind.BATCH:
+        return _decode_batch(doc)
+    rid, tag = _rid_and_tag(doc)
     if kind is Kind.DONE:
         body = _field(doc, "body", bytes)
         if len(body) > MAX_BODY_BYTES:
@@ -187,6 +227,29 @@ def decode_header(data: bytes) -> Header:
     if kind is Kind.ABORT:
         return Header(kind, rid=rid, reason=_field(doc, "reason", str), tag=tag)
     return _decode_layer(doc, rid, tag)
+
+
+def _decode_batch(doc: dict[str, Any]) -> Header:
+    parts = _field(doc, "parts", list)
+    if not 2 <= len(parts) <= MAX_BATCH_PARTS:
+        raise ProtocolError(f"field 'parts' must hold 2..{MAX_BATCH_PARTS} headers, "
+                            f"got {len(parts)}")
+    out = []
+    for part in parts:
+        if not isinstance(part, dict) or part.get("kind") != Kind.LAYER.value:
+            raise ProtocolError("field 'parts' must hold LAYER headers only")
+        out.append(_decode_layer(part, *_rid_and_tag(part)))
+    return Header(Kind.BATCH, parts=tuple(out))
+
+
+def _rid_and_tag(doc: dict[str, Any]) -> tuple[str, bytes]:
+    rid = _field(doc, "rid", str)
+    if not rid:
+        raise ProtocolError("field 'rid' is empty")
+    tag = _field(doc, "tag", bytes) if "tag" in doc else b""  # absent: an unbound transfer
+    if len(tag) > MAX_TAG_BYTES:
+        raise ProtocolError(f"field 'tag' has {len(tag)} bytes (max {MAX_TAG_BYTES})")
+    return rid, tag
 
 
 def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:

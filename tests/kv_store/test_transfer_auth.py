@@ -74,6 +74,7 @@ def test_senders_without_the_key_are_refused_and_the_receiver_keeps_serving(agen
         assert receiver.sink.kinds(rid) == []  # not a single frame reached the sink
     assert receiver.stats()["pairs_refused"] == 2
     assert _send(agent, receiver, "after", KEY)["state"] == "done"
+    receiver.sink.wait_for("done", "after")  # the DONE on the wire may not be read yet
     receiver.sink.assert_exact("after", 2, 3, torch.float32)
 
 
@@ -102,6 +103,7 @@ def test_forged_and_replayed_hellos_in_the_store_open_nothing(agent, receiver):
     store.queue_push("pairs/hello", "1")  # the real pair's id again: ignored
     assert wait_until(lambda: receiver.stats()["pairs_refused"] == 2)
     assert receiver.stats()["pairs_open"] <= 1
+    receiver.sink.wait_for("done", "real")
     assert receiver.sink.kinds("real") == ["layer", "layer", "done"]
 
 
@@ -147,6 +149,7 @@ def test_a_member_with_the_key_but_not_the_ticket_reaches_no_request(agent, boun
     bound.sink.assert_exact("victim", 2, 3, torch.float32)
     bound.book["next"] = nxt = new_ticket()  # the refusing pair still carries real work
     assert _send(agent, bound, "next", KEY, nxt, member=1)["state"] == "done"
+    bound.sink.wait_for("done", "next")
     bound.sink.assert_exact("next", 2, 3, torch.float32)
 
 
@@ -157,4 +160,5 @@ def test_late_frames_of_an_earlier_transfer_of_the_same_id_are_refused(agent, bo
     assert wait_until(lambda: bound.stats()["frames_refused"] == 3)
     assert bound.sink.kinds("again") == []
     assert _send(agent, bound, "again", KEY, now)["state"] == "done"
+    bound.sink.wait_for("done", "again")
     bound.sink.assert_exact("again", 2, 3, torch.float32)

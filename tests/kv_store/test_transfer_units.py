@@ -14,6 +14,7 @@ from kv_store.transfer import (
     TransferConfig,
     TransferState,
     auth,
+    coalesce,
     rendezvous,
     state,
     wire,
@@ -53,6 +54,72 @@ def test_a_ticket_tag_covers_every_field_and_only_its_ticket_opens_it():
     assert auth.tagged(done, b"") is done  # an unbound transfer: untagged
     with pytest.raises(ValueError, match="ticket"):
         auth.check_ticket(b"short")
+
+
+def _layer(rid: str, layer: int, slot: int = -1) -> Header:
+    return Header(Kind.LAYER, rid=rid, layer=layer, blocks=(layer, 9), shape=(2, 4),
+                  dtype="uint8", lease_s=1.5, slot=slot, tag=b"t" * 32)
+
+
+def test_a_batch_round_trips_its_parts_in_order_and_one_part_goes_alone():
+    parts = (_layer("r1", 0, slot=3), _layer("r2", 0, slot=1), _layer("r1", 1))
+    message = wire.batch(parts)
+    assert message.kind is Kind.BATCH
+    decoded = wire.decode_header(wire.encode_header(message))
+    assert decoded == message and wire.layers_of(decoded) == parts
+    alone = wire.batch(parts[:1])
+    assert alone == parts[0] and wire.layers_of(alone) == parts[:1]
+    with pytest.raises(ValueError, match="LAYER"):
+        wire.batch((Header(Kind.DONE, rid="r1", body=b"", lease_s=1.0),))
+    with pytest.raises(ValueError, match="at most"):
+        wire.batch((parts[0],) * (wire.MAX_BATCH_PARTS + 1))
+
+
+def _part_doc(**change) -> dict:
+    return {**msgpack.unpackb(wire.encode_header(_layer("r", 0))), **change}
+
+
+@pytest.mark.parametrize("parts", [
+    [],  # empty
+    [_part_doc()],  # a batch of one is sent as its LAYER
+    [_part_doc()] * (wire.MAX_BATCH_PARTS + 1),
+    [_part_doc(), {"kind": "done", "rid": "r", "body": b"", "lease_s": 1.0}],
+    [_part_doc(), {"kind": "batch", "parts": [_part_doc(), _part_doc()]}],  # nested
+    [_part_doc(), "layer"],
+])
+def test_malformed_batches_are_rejected(parts):
+    with pytest.raises(ProtocolError, match="parts"):
+        wire.decode_header(wire.pack({"kind": "batch", "parts": parts}))
+
+
+def test_a_malformed_part_names_its_field():
+    with pytest.raises(ProtocolError, match="slot"):
+        wire.decode_header(wire.pack({"kind": "batch",
+                                      "parts": [_part_doc(), _part_doc(slot=-2)]}))
+
+
+def test_a_version_6_peer_is_refused():
+    data = msgpack.packb({"v": 6, "kind": "close", "reason": ""})
+    with pytest.raises(ProtocolError, match="version 6"):
+        wire.decode_header(data)
+
+
+@pytest.mark.parametrize("ready, cap, window, expected", [
+    (0, 8, None, 0),   # nothing ready
+    (1, 8, None, 1),   # a lone layer goes at once, alone
+    (5, 8, None, 5),   # inline: everything ready, up to the cap
+    (30, 8, None, 8),
+    (30, 1, None, 1),  # cap 1: one part per message (the behaviour before wire v7)
+    (30, 8, 8, 4),     # NIXL: half the window, so writing overlaps the receiver's copy
+    (3, 8, 8, 3),
+    (1, 8, 8, 1),      # a lone layer takes the first free slot
+    (30, 8, 1, 1),     # a window of one slot still moves one part at a time
+    (30, 8, 2, 1),
+    (30, 2, 8, 2),
+])
+def test_coalescing_takes_what_is_ready_within_the_cap_and_half_the_window(
+        ready, cap, window, expected):
+    assert coalesce.parts_per_message(ready, cap, window) == expected
 
 
 def test_every_header_carries_the_version():
@@ -145,6 +212,8 @@ def test_history_forgets_the_oldest_first():
     ({"max_pairs": 0}, "max_pairs"),
     ({"idle_timeout_s": "5"}, "idle_timeout_s"),
     ({"cuda_device": -1}, "cuda_device"),
+    ({"coalesce_max_parts": 0}, "coalesce_max_parts"),
+    ({"coalesce_max_parts": wire.MAX_BATCH_PARTS + 1}, "coalesce_max_parts"),
 ])
 def test_config_rejects_bad_values_naming_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
