@@ -150,8 +150,11 @@ def test_workers_bind_the_pod_ip_register_in_redis_and_are_probed_on_their_port(
                                                ":6379/0")
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert (ports["grpc"], ports["metrics"]) == (a.port, a.metrics_port)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"]["port"] == a.port, probe  # grpc.health.v1 on the worker
+    # Liveness never asks gRPC health: a draining worker says NOT_SERVING while it finishes
+    # its streams, and must not be restarted for it.
+    assert c["livenessProbe"]["tcpSocket"]["port"] == a.port
     # Every internal call is authenticated with the cluster secret (a Secret of the release).
     assert e["PDSERVE_CLUSTER_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == f"{FULL}-cluster"
     annotations = d["spec"]["template"]["metadata"]["annotations"]
@@ -171,8 +174,9 @@ def test_router_discovers_workers_and_serves_its_ports(objects):
     assert "PDSERVE_REDIS_URL" in env(c)
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}
     assert (ports["grpc"], ports["http"]) == (cfg.port, http.port)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"]["port"] == cfg.port, probe
+    assert c["livenessProbe"]["tcpSocket"]["port"] == cfg.port  # not NOT_SERVING while it drains
     svc = by_kind(objects, "Service")[f"{FULL}-router"]
     assert {p["port"] for p in svc["spec"]["ports"]} == {cfg.port, http.port}
 

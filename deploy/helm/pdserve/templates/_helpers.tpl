@@ -95,6 +95,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/* A probe on a gRPC port: gRPC health, or the port itself under TLS (kubelet's gRPC
      probes speak plaintext only). */}}
+{{/* Liveness: the process is up and its port accepts connections. Never gRPC health: a
+     draining worker or router reports NOT_SERVING on purpose (so readiness takes it out of
+     the Service) while it finishes its streams, and a liveness probe that failed then would
+     restart it mid-drain. */}}
+{{- define "pdserve.liveness" -}}
+tcpSocket:
+  port: {{ .port }}
+{{- end -}}
+
 {{- define "pdserve.probe" -}}
 {{- if .root.Values.tls.enabled }}
 tcpSocket:
