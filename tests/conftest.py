@@ -14,6 +14,11 @@ if not torch.cuda.is_available():
 # Two cores are shared by the test process and any workers it starts.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Every engine that names no KV budget (most test engines, and the workers they start, which
+# inherit this) allocates 256 MiB of KV, not the 1 GiB default: a session holds dozens of
+# engines at once on a 24 GiB machine, and tiny models fill a fraction of even this.
+os.environ.setdefault("PDSERVE_CPU_KV_CACHE_GB", "0.25")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):

@@ -20,7 +20,8 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     """KV blocks to allocate; None sizes the cache from `kv_cache_memory_gb` (or free memory)."""
     kv_cache_memory_gb: float | None = None
-    """KV cache budget when num_gpu_blocks is None (default 1 GiB on CPU, 80% of free on GPU)."""
+    """KV cache budget when num_gpu_blocks is None (default on CPU: $PDSERVE_CPU_KV_CACHE_GB,
+    else 1 GiB; on GPU 80% of free memory)."""
     max_num_batched_tokens: int = 1024
     """Token budget per step; also the chunk size of chunked prefill."""
     max_num_seqs: int = 128
@@ -138,3 +139,25 @@ def _check_tiers(cfg: EngineConfig) -> None:
         # TP > 1 is fine: every rank keeps its own tiers for its head slice, rank 0 decides.
         if not cfg.enable_prefix_caching:
             raise ValueError("kv_host_gb / kv_ssd_gb (KV tiers) require enable_prefix_caching")
+
+
+CPU_KV_CACHE_ENV = "PDSERVE_CPU_KV_CACHE_GB"
+"""The CPU KV cache budget (GiB) of an engine that names none, like vLLM's
+VLLM_CPU_KVCACHE_SPACE: one setting for every process of a host (a test session, a small
+machine running many workers)."""
+
+
+def cpu_kv_cache_gb() -> float:
+    """The default CPU KV cache budget in GiB: $PDSERVE_CPU_KV_CACHE_GB, else 1."""
+    import os
+
+    raw = os.environ.get(CPU_KV_CACHE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"${CPU_KV_CACHE_ENV} must be a number of GiB, got {raw!r}") from None
+    if not value > 0:
+        raise ValueError(f"${CPU_KV_CACHE_ENV} must be positive, got {raw!r}")
+    return value

@@ -26,7 +26,7 @@ from kv_store.tiers.manager import TierManager, tier_stats_off
 from pdserve.block_hash import hash_extra
 from pdserve.engine.attention.backend import get_backend
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import EngineConfig, cpu_kv_cache_gb
 from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.finish import FinishReason
 from pdserve.engine.kv_layout import KVLayout
@@ -506,7 +506,7 @@ class LLMEngine:
         elif self.device.type == "cuda":
             budget = 0.8 * torch.cuda.mem_get_info(self.device)[0]
         else:
-            budget = 2**30
+            budget = cpu_kv_cache_gb() * 2**30
         return max(1, int(budget // per_block))
 
     def _build_tiers(self, caches: list[torch.Tensor], on_block_event):
