@@ -30,27 +30,14 @@ from pdserve.engine.quant.int4_quantize import CLIP_SEARCH, default_group_size, 
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
 from tests.helpers.engine import random_prompts
+from tests.helpers.int4_checkpoints import kernel_bound, random_int4
 
 TP2_RANK1 = ParallelContext(rank=1, size=2, group=object())  # loading needs no collectives
 
 
-def _random_int4(n: int, k: int, group: int, seed: int = 0) -> Int4Weight:
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
-    offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    return Int4Weight(q, scale, offset, group)
-
-
-def _kernel_bound(w: Int4Weight) -> torch.Tensor:
-    s = w.scale.abs().repeat_interleave(w.group_size, 1)
-    z = (w.offset + 8 * w.scale).abs().repeat_interleave(w.group_size, 1)
-    return (8 * s + z) * 2**-8 * 1.01
-
-
 # -- the 4-bit form ---------------------------------------------------------------------------
 def test_splitting_groups_and_stacking_rows_keep_the_matrix():
-    a, b = _random_int4(16, 128, 64), _random_int4(8, 128, 32, seed=1)
+    a, b = random_int4(16, 128, 64), random_int4(8, 128, 32, seed=1)
     torch.testing.assert_close(a.split_groups(16).dequantize(), a.dequantize(), rtol=0, atol=0)
     both = Int4Weight.cat_rows([a, b])
     assert both.group_size == 32 and both.shape == (24, 128)
@@ -59,7 +46,7 @@ def test_splitting_groups_and_stacking_rows_keep_the_matrix():
 
 
 def test_column_shards_must_fall_on_group_boundaries():
-    w = _random_int4(16, 128, 64)
+    w = random_int4(16, 128, 64)
     torch.testing.assert_close(w.narrow(1, 64, 64).dequantize(), w.dequantize()[:, 64:],
                                rtol=0, atol=0)
     with pytest.raises(ValueError, match="split a group of 64"):
@@ -67,7 +54,7 @@ def test_column_shards_must_fall_on_group_boundaries():
 
 
 def test_act_order_columns_dequantise_in_feature_order_and_refuse_column_shards():
-    w = _random_int4(8, 64, 32)
+    w = random_int4(8, 64, 32)
     order = torch.randperm(64, generator=torch.Generator().manual_seed(0))
     ordered = Int4Weight(w.qweight, w.scale, w.offset, 32, column_order=order)
     dense = ordered.dequantize()
@@ -103,10 +90,10 @@ def test_round_to_nearest_error_is_half_a_step_and_the_clip_search_only_helps():
 @pytest.mark.parametrize("group", [32, 64, 128, 256, 512])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_cpu_kernel_multiplies_by_the_4bit_matrix(group, model_dtype):
-    w = _random_int4(40, 512, group)  # 40 rows: padded to a multiple of 16 inside
+    w = random_int4(40, 512, group)  # 40 rows: padded to a multiple of 16 inside
     kernel = build_int4_matmul(w, model_dtype)
     assert isinstance(kernel, CpuPackedInt4)
-    assert ((kernel.dequantize() - w.dequantize()).abs() <= _kernel_bound(w)).all()
+    assert ((kernel.dequantize() - w.dequantize()).abs() <= kernel_bound(w)).all()
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(1)).to(model_dtype)
     out = kernel.matmul(x)
     assert out.dtype == model_dtype and out.shape == (7, 40)
@@ -115,7 +102,7 @@ def test_cpu_kernel_multiplies_by_the_4bit_matrix(group, model_dtype):
 
 
 def test_cpu_kernel_rows_do_not_depend_on_the_batch():
-    kernel = build_int4_matmul(_random_int4(64, 256, 64), torch.float32)
+    kernel = build_int4_matmul(random_int4(64, 256, 64), torch.float32)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
     full = kernel.matmul(x)
     for rows in (slice(0, 1), slice(3, 5), slice(8, 9)):
@@ -123,7 +110,7 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch():
 
 
 def test_groups_the_cpu_kernel_refuses_fall_back_to_the_reference(caplog):
-    w = _random_int4(16, 64, 16)
+    w = random_int4(16, 64, 16)
     with caplog.at_level(logging.WARNING):
         kernel = build_int4_matmul(w, torch.float32)
     assert kernel.name == "reference" and "groups of 16" in caplog.text
@@ -143,14 +130,14 @@ def _int4_layer(layer: LinearBase, **kw) -> Int4LinearMethod:
 def _check_layer(method: Int4LinearMethod, want: Int4Weight) -> None:
     got = method.dequantize()
     assert got.shape == want.shape
-    assert ((got - want.dequantize()).abs() <= _kernel_bound(want)).all()
+    assert ((got - want.dequantize()).abs() <= kernel_bound(want)).all()
 
 
 def test_fused_shards_land_in_their_own_rows_whatever_their_form():
     """q and k arrive as 4-bit weights with different groups, v dense (quantised at load)."""
     qkv = QKVParallelLinear(hidden=128, head_dim=16, num_heads=4, num_kv_heads=2)
     method = _int4_layer(qkv)
-    q, k = _random_int4(64, 128, 32), _random_int4(32, 128, 64, seed=1)
+    q, k = random_int4(64, 128, 32), random_int4(32, 128, 64, seed=1)
     v = torch.randn(32, 128, generator=torch.Generator().manual_seed(2)) * 0.05
     for shard, loaded in (("v", v), ("k", k), ("q", q)):  # any order
         qkv.weight_loader(qkv.weight, loaded, shard)
@@ -159,7 +146,7 @@ def test_fused_shards_land_in_their_own_rows_whatever_their_form():
 
 
 def test_tensor_parallel_rank_takes_its_rows_and_its_groups():
-    gate, up = _random_int4(64, 128, 32), _random_int4(64, 128, 32, seed=1)
+    gate, up = random_int4(64, 128, 32), random_int4(64, 128, 32, seed=1)
     merged = MergedColumnParallelLinear(128, [64, 64], tp=TP2_RANK1)
     method = _int4_layer(merged)
     merged.weight_loader(merged.weight, gate, 0)
@@ -167,7 +154,7 @@ def test_tensor_parallel_rank_takes_its_rows_and_its_groups():
     method.finalize(merged)
     _check_layer(method, Int4Weight.cat_rows([gate.rows(32, 32), up.rows(32, 32)]))
 
-    down = _random_int4(48, 128, 32, seed=2)
+    down = random_int4(48, 128, 32, seed=2)
     row = RowParallelLinear(128, 48, bias=True, tp=TP2_RANK1)
     method = _int4_layer(row)
     row.weight_loader(row.weight, down)
@@ -181,7 +168,7 @@ def test_tensor_parallel_rank_takes_its_rows_and_its_groups():
 def test_a_tensor_parallel_degree_that_splits_a_group_is_refused_at_load(form):
     row = RowParallelLinear(128, 16, tp=TP2_RANK1)  # each rank: 64 input features
     _int4_layer(row, group_size=128)
-    loaded = _random_int4(16, 128, 128) if form == "int4" else torch.randn(16, 128)
+    loaded = random_int4(16, 128, 128) if form == "int4" else torch.randn(16, 128)
     with pytest.raises(ValueError, match="tensor parallelism 2.*split a group of 128"):
         row.weight_loader(row.weight, loaded)
 
@@ -189,8 +176,8 @@ def test_a_tensor_parallel_degree_that_splits_a_group_is_refused_at_load(form):
 def test_a_fused_layer_missing_a_shard_is_refused():
     qkv = QKVParallelLinear(hidden=64, head_dim=16, num_heads=2, num_kv_heads=1)
     method = _int4_layer(qkv)
-    qkv.weight_loader(qkv.weight, _random_int4(32, 64, 32), "q")
-    qkv.weight_loader(qkv.weight, _random_int4(16, 64, 32), "v")
+    qkv.weight_loader(qkv.weight, random_int4(32, 64, 32), "q")
+    qkv.weight_loader(qkv.weight, random_int4(16, 64, 32), "v")
     with pytest.raises(ValueError, match="rows 32..47 were never loaded"):
         method.finalize(qkv)
 

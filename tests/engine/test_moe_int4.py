@@ -37,26 +37,17 @@ from pdserve.engine.quant.int4_quantize import quantize_int4
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, make_bigram_experts, save_tiny
 from tests.helpers.engine import assert_idle, greedy_ids, random_prompts
-from tests.helpers.int4_checkpoints import write_dense_copy, write_int4_checkpoint
+from tests.helpers.int4_checkpoints import (
+    kernel_bound,
+    random_int4,
+    write_dense_copy,
+    write_int4_checkpoint,
+)
 
 EXPERTS = 4
 TP2_RANK1 = ParallelContext(rank=1, size=2, group=object())  # loading needs no collectives
 EP2_RANK1 = ParallelContext(rank=1, size=2, group=object(), expert_parallel=True)
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _random_int4(n: int, k: int, group: int, seed: int) -> Int4Weight:
-    gen = torch.Generator().manual_seed(seed)
-    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
-    offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
-    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    return Int4Weight(q, scale, offset, group)
-
-
-def _kernel_bound(w: Int4Weight) -> torch.Tensor:
-    s = w.scale.abs().repeat_interleave(w.group_size, 1)
-    z = (w.offset + 8 * w.scale).abs().repeat_interleave(w.group_size, 1)
-    return (8 * s + z) * 2**-8 * 1.01
 
 
 def _int4_experts(hidden: int, inter: int, tp: ParallelContext | None = None,
@@ -78,7 +69,7 @@ def _load(layer: FusedExperts, mats: dict[tuple[int, str], object]) -> None:
 
 def _check(got: torch.Tensor, want: Int4Weight) -> None:
     assert got.shape == want.shape
-    assert ((got - want.dequantize()).abs() <= _kernel_bound(want)).all()
+    assert ((got - want.dequantize()).abs() <= kernel_bound(want)).all()
 
 
 # -- one layer --------------------------------------------------------------------------------
@@ -112,7 +103,7 @@ def test_int4_experts_multiply_by_their_4bit_weights_once_per_expert():
 
 
 def test_a_tensor_parallel_rank_takes_its_slice_of_every_expert():
-    mats = {(e, p): _random_int4(*((64, 128) if p == "w2" else (128, 64)), 32, seed=3 * e + i)
+    mats = {(e, p): random_int4(*((64, 128) if p == "w2" else (128, 64)), 32, seed=3 * e + i)
             for e in range(EXPERTS) for i, p in enumerate(("w1", "w3", "w2"))}
     layer, method = _int4_experts(64, 128, TP2_RANK1)  # rank 1 of 2: intermediate 64..127
     _load(layer, mats)
@@ -131,7 +122,7 @@ def test_a_tensor_parallel_rank_takes_its_slice_of_every_expert():
 @pytest.mark.parametrize("form", ["int4", "dense"])
 def test_a_tensor_parallel_degree_that_splits_a_group_is_refused_at_load(form):
     layer, _ = _int4_experts(64, 64, TP2_RANK1)  # each rank: 32 of the down projection's 64
-    w2 = _random_int4(64, 64, 64, seed=0) if form == "int4" else torch.randn(64, 64)
+    w2 = random_int4(64, 64, 64, seed=0) if form == "int4" else torch.randn(64, 64)
     with pytest.raises(ValueError, match="expert 1 w2 .* tensor parallelism 2.*split a group"
                                          " of 64"):
         layer.weight_loader(layer.w2_weight, w2, (1, "w2"))
@@ -359,4 +350,4 @@ def test_a_4bit_router_is_refused():
     """A GPTQ / AWQ file that quantised the router would reach it as an `Int4Weight`."""
     gate = GateLinear(64, 32)
     with pytest.raises(ValueError, match="4-bit router .*not supported, these stay fp32"):
-        gate.weight_loader(gate.weight, _random_int4(32, 64, 32, seed=0))
+        gate.weight_loader(gate.weight, random_int4(32, 64, 32, seed=0))

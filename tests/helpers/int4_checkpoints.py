@@ -131,3 +131,21 @@ def write_dense_copy(src: Path, dst: Path, weights: dict[str, torch.Tensor]) -> 
     tensors.update({k: v.to(tensors[k].dtype) for k, v in weights.items()})
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def random_int4(n: int, k: int, group: int, seed: int = 0):
+    """A random 4-bit [n, k] weight with small scales and near-symmetric offsets."""
+    from pdserve.engine.quant.int4_weight import Int4Weight
+
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
+    offset = -8 * scale + torch.randn(n, k // group, generator=gen) * 0.01
+    q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    return Int4Weight(q, scale, offset, group)
+
+
+def kernel_bound(w) -> torch.Tensor:
+    """Per-weight error bound of the CPU int4 kernel (bf16 scales and zeros), with 1% room."""
+    s = w.scale.abs().repeat_interleave(w.group_size, 1)
+    z = (w.offset + 8 * w.scale).abs().repeat_interleave(w.group_size, 1)
+    return (8 * s + z) * 2**-8 * 1.01
