@@ -431,18 +431,20 @@ def huge_http_sender(address: str, mb: int) -> None:
         sock.sendall(head.encode())
         status, sent = "no response", 0
         while True:
-            ready, _, _ = select.select([sock], [], [], 0)
+            # Once the whole body is out (or the server stopped taking it), wait for the
+            # answer up to 60 s; until then only peek between chunks.
+            done_sending = sent >= len(body)
+            ready, _, _ = select.select([sock], [], [], 60 if done_sending else 0)
             if ready:
                 line = sock.recv(256).split(b"\r\n", 1)[0].decode(errors="replace")
                 status = f"HTTP_{line.split()[1]}" if line.count(" ") >= 1 else "closed"
                 break
-            if sent >= len(body):
-                select.select([sock], [], [], 60)
-                continue
+            if done_sending:
+                break  # no answer within 60 s: "no response"
             try:
                 sent += sock.send(body[sent:sent + (1 << 20)])
-            except OSError:  # the server closed while we were still sending
-                continue
+            except OSError:  # the server closed while we were still sending: read its answer
+                sent = len(body)
     print(status, time.monotonic() - t0, build_s)
 
 

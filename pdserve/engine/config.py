@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,8 +150,6 @@ machine running many workers)."""
 
 def cpu_kv_cache_gb() -> float:
     """The default CPU KV cache budget in GiB: $PDSERVE_CPU_KV_CACHE_GB, else 1."""
-    import os
-
     raw = os.environ.get(CPU_KV_CACHE_ENV, "").strip()
     if not raw:
         return 1.0
