@@ -67,6 +67,7 @@ VARIANTS: dict[str, dict] = {
     "bf16 model (reference)": {"dtype": "bfloat16"},
     "w4a16 int4 (fp32 head)": {"quantization": "int4", "lm_head_dtype": "model"},
     "w4a16 int4 + bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
+    "w4a16 int4 + int8 head": {"quantization": "int4", "lm_head_dtype": "int8"},
     "w4a16 int4 + int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
 

@@ -10,8 +10,9 @@ measures nothing). On the GGUF, fp32 is the file's blocks dequantised, and int4 
 the same Q4_1 blocks (repacked, never through floats).
 
 Speed rows: fp32 (the baseline), and `quantization="int4"` with each LM-head precision
-(`lm_head_dtype` model / bf16 / int4); decode tokens/s of the batch at batch 1 and 16, after the
-prefill of 48-token prompts, interleaved repeats, best of each (noise only slows a run).
+(`lm_head_dtype` model / bf16 / int8 / int4); decode tokens/s of the batch at batch 1 and 16,
+after the prefill of 48-token prompts, interleaved repeats, best of each (noise only slows a
+run).
 
 Kernel rows: one matmul of each of the model's shapes at M = 1 and 16, fp32 `F.linear` against
 the CPU int4 kernel, with enough distinct weights that each call reads its weight from memory.
@@ -53,6 +54,7 @@ SPEED = {
     "fp32": {},
     "int4": {"quantization": "int4", "lm_head_dtype": "model"},
     "int4+bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
+    "int4+int8 head": {"quantization": "int4", "lm_head_dtype": "int8"},
     "int4+int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
 
@@ -87,8 +89,11 @@ def footprint(llm: LLM) -> dict:
     head = model.lm_head
     method_weight = getattr(head.method, "weight", None)
     kernel = getattr(head.method, "kernel", None)
-    head_bytes = (kernel.nbytes() if kernel is not None else method_weight.nbytes
-                  if method_weight is not None else head.weight.nbytes)
+    if hasattr(head.method, "nbytes"):  # the int8 copy
+        head_bytes = head.method.nbytes()
+    else:
+        head_bytes = (kernel.nbytes() if kernel is not None else method_weight.nbytes
+                      if method_weight is not None else head.weight.nbytes)
     return {"linear_MB": linear / 1e6, "lm_head_MB": head_bytes / 1e6}
 
 

@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+LM_HEAD_DTYPES = ("auto", "model", "bf16", "int8", "int4")
+"""The LM head's precisions (`EngineConfig.lm_head_dtype`; `quant.lm_head` says what each is)."""
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -94,8 +96,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
                              f"{self.quantization!r}")
         _check_fp8_layers(self)
-        if self.lm_head_dtype not in ("auto", "model", "bf16", "int4"):
-            raise ValueError(f"lm_head_dtype must be auto, model, bf16 or int4, got "
+        if self.lm_head_dtype not in LM_HEAD_DTYPES:
+            raise ValueError(f"lm_head_dtype must be one of {', '.join(LM_HEAD_DTYPES)}, got "
                              f"{self.lm_head_dtype!r}")
         _check_tiers(self)
         if self.compile_decode not in ("off", "inductor", "cuda_graphs"):

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.config import LM_HEAD_DTYPES, EngineConfig
 from pdserve.serving.kv_lease import LeaseConfig
 from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
 from pdserve.serving.security import ClientSecurity, InternalSecurity
@@ -88,8 +88,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile-decode", default="off", choices=["off", "inductor", "cuda_graphs"],
                    help="decode steps eager (off), through torch.compile (inductor: compiles "
                         "at the first decode step), or as CUDA graphs (cuda_graphs)")
-    p.add_argument("--lm-head-dtype", default="auto", choices=("auto", "model", "bf16", "int4"),
-                   help="lm_head under --quantization int4: auto, model, bf16 or int4")
+    p.add_argument("--lm-head-dtype", default="auto", choices=LM_HEAD_DTYPES,
+                   help="the LM head's precision: auto (the quantisation's default), model, "
+                        "bf16, int8 or int4")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each TP rank holds whole experts instead of a slice of "

@@ -228,7 +228,7 @@ def test_int4_keeps_top1_predictions_of_the_full_precision_model(bigram_dir, int
     assert agreement >= 0.98, agreement  # measured 0.996
 
 
-@pytest.mark.parametrize("lm_head", ["bf16", "int4"])
+@pytest.mark.parametrize("lm_head", ["bf16", "int8", "int4"])
 def test_lm_head_copies_leave_the_tied_embedding_alone(tiny_qwen2, lm_head):
     llm = LLM(str(tiny_qwen2), num_gpu_blocks=16, quantization="int4", lm_head_dtype=lm_head)
     model = llm.engine.runner.model
@@ -238,7 +238,7 @@ def test_lm_head_copies_leave_the_tied_embedding_alone(tiny_qwen2, lm_head):
     want = hidden @ model.embed_tokens.weight.t()
     got = model.compute_logits(hidden)
     rel = ((got - want).norm() / want.norm()).item()
-    assert rel < (0.01 if lm_head == "bf16" else 0.15), rel
+    assert rel < {"bf16": 0.01, "int8": 0.01, "int4": 0.15}[lm_head], rel
 
 
 def test_an_untied_lm_head_keeps_only_its_copy(tiny_llama):
@@ -248,6 +248,11 @@ def test_an_untied_lm_head_keeps_only_its_copy(tiny_llama):
     llm = LLM(str(tiny_llama), num_gpu_blocks=16, lm_head_dtype="bf16")  # no weight scheme
     head = llm.engine.runner.model.lm_head
     assert head.weight.numel() == 0 and head.method.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(llm.engine.runner.model.compute_logits(hidden), want,
+                               rtol=0, atol=0.02 * want.abs().max().item())
+    llm = LLM(str(tiny_llama), num_gpu_blocks=16, lm_head_dtype="int8")
+    head = llm.engine.runner.model.lm_head
+    assert head.weight.numel() == 0 and head.method.qweight.dtype == torch.int8
     torch.testing.assert_close(llm.engine.runner.model.compute_logits(hidden), want,
                                rtol=0, atol=0.02 * want.abs().max().item())
     with pytest.raises(ValueError, match="lm_head_dtype"):

@@ -305,7 +305,8 @@ def test_a_4bit_moe_checkpoint_loads_its_own_expert_weights(request, tmp_path, c
     reference = write_int4_checkpoint(src, tmp_path / "q", **variant)
     p = f"model.layers.0.{block}.experts."
     assert f"{p}3.{down}.weight" in reference
-    llm = LLM(str(tmp_path / "q"), dtype="float32", num_gpu_blocks=16)  # from config.json
+    # int4 from config.json; the LM head in fp32 so the logits measure the experts alone
+    llm = LLM(str(tmp_path / "q"), dtype="float32", num_gpu_blocks=16, lm_head_dtype="model")
     experts = llm.engine.runner.model.layers[0].mlp.experts
     assert isinstance(experts.method, Int4ExpertsMethod)
     for e in range(EXPERTS):

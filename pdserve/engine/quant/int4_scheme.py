@@ -22,7 +22,7 @@ from pdserve.engine.quant.int4_experts import Int4ExpertsMethod
 from pdserve.engine.quant.int4_quantize import DEFAULT_GROUP_SIZE
 from pdserve.engine.quant.scheme import QuantScheme, ShapesFn, Weights
 
-DEFAULT_LM_HEAD = "model"
+DEFAULT_LM_HEAD = "int8"
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,12 @@
     ops = load_ops()   # torch.ops.pdserve_cpu, or None when they cannot be built here
     ops.paged_attention(out, q, cache, block_tables, seq_lens, query_start, seqs, scale, window)
     ops.write_kv(cache, k, v, slot_mapping)
+    quant = load_quant_ops()   # torch.ops.pdserve_quant, or None
+    quant.int8_linear(x, w_int8, scale)                          # -> x @ (w * scale)^T, fp32
 
-The sources (`paged_attention.cpp`) are compiled by `torch.utils.cpp_extension.load` with gcc
+The sources (`paged_attention.cpp`, and `int8_linear.cpp` as a library of its own, built
+with AVX-512 where the CPU has it since it has no numerics to keep equal to an older build)
+are compiled by `torch.utils.cpp_extension.load` with gcc
 (-O3, OpenMP through torch's own pool, AVX2/FMA where the CPU has them) into torch's extension
 cache (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the
 cached library in milliseconds. A failed build (no compiler, no ninja) is reported once as a
@@ -24,6 +28,12 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+QUANT_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),)
+ISAS = ("avx512", "avx2", "generic")
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
+                         "-mfma", "-mf16c"],
+              "avx2": ["-mavx2", "-mfma", "-mf16c"],
+              "generic": []}
 DISABLE_ENV = "PDSERVE_CPU_KERNELS"
 """Set to 0 to never build or load these kernels (the torch reference is used)."""
 
@@ -36,15 +46,22 @@ def _isa_flags() -> tuple[str, list[str]]:
     return "generic", []
 
 
-def _build_spec() -> tuple[str, list[str]]:
+def best_isa() -> str:
+    """The widest ISA of `ISAS` torch detected on this CPU."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    return {"AVX512": "avx512", "AVX2": "avx2"}.get(cap, "generic")
+
+
+def _build_spec(prefix: str = "pdserve_cpu", sources: tuple[Path, ...] = SOURCES,
+                isa_flags: tuple[str, list[str]] | None = None) -> tuple[str, list[str]]:
     """(extension name, compiler flags). The name carries a hash of the sources and flags, so
     a cached library of that name is this exact build and is loaded without asking ninja."""
-    isa, flags = _isa_flags()
+    isa, flags = isa_flags or _isa_flags()
     flags = ["-O3", "-fopenmp", *flags]
     digest = hashlib.sha256(" ".join(flags).encode())
-    for src in SOURCES:
+    for src in sources:
         digest.update(src.read_bytes())
-    return f"pdserve_cpu_{isa}_{digest.hexdigest()[:12]}", flags
+    return f"{prefix}_{isa}_{digest.hexdigest()[:12]}", flags
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,6 +74,30 @@ def load_ops():
         return None
     _register_fakes()
     return torch.ops.pdserve_cpu
+
+
+def load_quant_ops(isa: str | None = None):
+    """torch.ops.pdserve_quant built for `isa` (one of `ISAS`; default: this CPU's widest), or
+    None (warned once). Tests name an ISA to check a narrower build on a wider machine; only
+    one ISA's library can be loaded into a process (the ops share one name)."""
+    return _load_quant_ops(isa or best_isa())
+
+
+@functools.cache
+def _load_quant_ops(isa: str):
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if isa not in ISAS:
+        raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
+    name, flags = _build_spec("pdserve_quant", QUANT_SOURCES, (isa, _ISA_FLAGS[isa]))
+    if not build(name, flags, QUANT_SOURCES):
+        return None
+    torch.library.register_fake("pdserve_quant::int8_linear", _int8_linear_fake)
+    return torch.ops.pdserve_quant
+
+
+def _int8_linear_fake(x, w, scale):
+    return x.new_empty((x.shape[0], w.shape[0]))
 
 
 def _register_fakes() -> None:
@@ -87,8 +128,8 @@ def build(name: str, flags: list[str], sources: tuple[Path, ...]) -> bool:
                                extra_cflags=flags, extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a build error: the reference runs
-        warnings.warn(f"pdserve CPU attention kernels could not be built ({exc!s:.300}); "
-                      "using the torch reference attention", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"pdserve CPU kernels {name} could not be built ({exc!s:.300}); "
+                      "using the torch reference", RuntimeWarning, stacklevel=3)
         return False
     return True
 
@@ -108,12 +149,14 @@ def _put_ninja_on_path() -> None:
 
 
 def main() -> None:
-    ops = load_ops()
-    if ops is None:
+    if load_ops() is None or load_quant_ops() is None:
         raise SystemExit("pdserve CPU kernels: build failed (see the warning above)")
     from torch.utils.cpp_extension import _get_build_directory
 
     print(_get_build_directory(_build_spec()[0], verbose=False))
+    isa = best_isa()
+    quant = _build_spec("pdserve_quant", QUANT_SOURCES, (isa, _ISA_FLAGS[isa]))[0]
+    print(_get_build_directory(quant, verbose=False))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,152 @@
+// y = x @ dequant(w)^T for an int8 weight with one fp32 scale per group of `g` consecutive
+// inputs of a row (w[n, i] * scale[n, i / g]), fp32 activations in and fp32 out: the LM
+// head's 8-bit copy (`quant/int8_head.py`).
+//
+// Why a kernel of our own: torch's `_weight_int8pack_mm` is vectorised on the CPU only for
+// bf16 activations and returns bf16, and bf16 logits (8 mantissa bits) tie tokens that fp32
+// logits tell apart; its fp32 variant is ~9x slower than an fp32 matmul. This one reads each
+// int8 row once for all M activation rows (decode batches are small), widens 8 (AVX2) or 16
+// (AVX-512) weights at a time to fp32, scales them and accumulates with FMA. Rows are split
+// over torch's thread pool (at::parallel_for), and a row's result never depends on the other
+// rows of x, so batching and speculative verification change nothing (bitwise).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kRowsPerTile = 8;  // activation rows accumulated at once per weight row
+
+// The dot products of one int8 weight row with R activation rows (R fixed at compile time so
+// the R accumulators stay in registers), the weight dequantised to fp32 once for all R. The
+// accumulation order of a row does not depend on R: batching changes no result.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vwiden(const int8_t* w) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vbroadcast(float s) { return _mm512_set1_ps(s); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kLanes = 8;
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vwiden(const int8_t* w) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vbroadcast(float s) { return _mm256_set1_ps(s); }
+inline float vsum(vec v) {
+  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 sh = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(sh, _mm_shuffle_ps(sh, sh, 1)));
+}
+#endif
+
+// Scalar products of one weight row: rows, widths or groups the vectors do not tile.
+template <int R>
+inline void dot_tile_scalar(const int8_t* w, const float* scale, const float* x, int64_t k,
+                            int64_t g, float* out) {
+  for (int r = 0; r < R; ++r) out[r] = 0.f;
+  for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
+    for (int64_t i = g0; i < g0 + g; ++i) {
+      const float wi = static_cast<float>(w[i]) * scale[gi];
+      for (int r = 0; r < R; ++r) out[r] += wi * x[r * k + i];
+    }
+  }
+}
+
+template <int R>
+inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_t k,
+                     int64_t g, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (g % kLanes == 0) {
+    // Each vector of weights lies in one group: widen, scale (the dequantised fp32 weight,
+    // exactly), then one FMA per activation row.
+    vec acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
+      const vec sv = vbroadcast(scale[gi]);
+      for (int64_t i = g0; i < g0 + g; i += kLanes) {
+        const vec wv = vmul(vwiden(w + i), sv);
+        for (int r = 0; r < R; ++r) acc[r] = vfma(wv, vload(x + r * k + i), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) out[r] = vsum(acc[r]);
+    return;
+  }
+#endif
+  dot_tile_scalar<R>(w, scale, x, k, g, out);
+}
+
+inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const float* x,
+                     int64_t k, int64_t g, float* out) {
+  switch (rows) {
+    case 1: return dot_tile<1>(w, scale, x, k, g, out);
+    case 2: return dot_tile<2>(w, scale, x, k, g, out);
+    case 3: return dot_tile<3>(w, scale, x, k, g, out);
+    case 4: return dot_tile<4>(w, scale, x, k, g, out);
+    case 5: return dot_tile<5>(w, scale, x, k, g, out);
+    case 6: return dot_tile<6>(w, scale, x, k, g, out);
+    case 7: return dot_tile<7>(w, scale, x, k, g, out);
+    default: return dot_tile<8>(w, scale, x, k, g, out);
+  }
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2, "int8_linear: x [M, K], "
+              "w [N, K], scale [N, K / group]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kChar &&
+                  scale.scalar_type() == at::kFloat,
+              "int8_linear: x and scale fp32, w int8");
+  TORCH_CHECK(x.size(1) == w.size(1) && scale.size(0) == w.size(0) && scale.size(1) > 0 &&
+                  w.size(1) % scale.size(1) == 0,
+              "int8_linear: shapes do not match");
+  const at::Tensor xc = x.contiguous();
+  const at::Tensor wc = w.contiguous();
+  const at::Tensor sc = scale.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = wc.size(0);
+  const int64_t groups = sc.size(1), g = k / groups;
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const int8_t* wp = wc.data_ptr<int8_t>();
+  const float* sp = sc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  // ~64 rows per task: large enough to amortise the task, small enough to balance 2+ cores.
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    float out[kRowsPerTile];
+    for (int64_t row = begin; row < end; ++row) {
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile) {
+        const int64_t rows = std::min(kRowsPerTile, m - r0);
+        dot_rows(rows, wp + row * k, sp + row * groups, xp + r0 * k, k, g, out);
+        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
+      }
+    }
+  });
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pdserve_quant, m) {
+  m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }
