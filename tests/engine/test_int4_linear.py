@@ -25,7 +25,7 @@ from pdserve.engine.layers.linear import (
 )
 from pdserve.engine.parallel import ParallelContext
 from pdserve.engine.quant.int4 import Int4LinearMethod
-from pdserve.engine.quant.int4_kernels import CpuPackedInt4, build_int4_matmul
+from pdserve.engine.quant.int4_kernels import build_int4_matmul
 from pdserve.engine.quant.int4_quantize import CLIP_SEARCH, default_group_size, quantize_int4
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
@@ -86,36 +86,56 @@ def test_round_to_nearest_error_is_half_a_step_and_the_clip_search_only_helps():
     assert err(searched).sum() < 0.95 * err(plain).sum()
 
 
-# -- the CPU kernel ---------------------------------------------------------------------------
-@pytest.mark.parametrize("group", [32, 64, 128, 256, 512])
+# -- the CPU kernels ---------------------------------------------------------------------------
+@pytest.mark.parametrize("group", [16, 32, 64, 128, 256, 512])
 @pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_cpu_kernel_multiplies_by_the_4bit_matrix(group, model_dtype):
-    w = random_int4(40, 512, group)  # 40 rows: padded to a multiple of 16 inside
-    kernel = build_int4_matmul(w, model_dtype)
-    assert isinstance(kernel, CpuPackedInt4)
+@pytest.mark.parametrize("name", ["cpu", "cpu-torch"])
+def test_cpu_kernels_multiply_by_the_4bit_matrix(name, group, model_dtype):
+    if name == "cpu-torch" and group == 16:
+        pytest.skip("torch's kernel takes groups of 32 and more")
+    w = random_int4(40, 512, group)  # 40 rows: padded to a multiple of 16 inside torch's
+    kernel = build_int4_matmul(w, model_dtype, name)
+    assert kernel.name == name
     assert ((kernel.dequantize() - w.dequantize()).abs() <= kernel_bound(w)).all()
     x = torch.randn(7, 512, generator=torch.Generator().manual_seed(1)).to(model_dtype)
     out = kernel.matmul(x)
     assert out.dtype == model_dtype and out.shape == (7, 40)
-    want = x.float() @ w.dequantize().t()
-    torch.testing.assert_close(out.float(), want, rtol=0, atol=2**-7 * want.abs().max().item())
+    want = x.float() @ kernel.dequantize().t()
+    # pdserve's kernel multiplies in fp32; torch's rounds activations to bf16
+    tol = 2**-7 if name == "cpu-torch" or model_dtype != torch.float32 else 1e-5
+    torch.testing.assert_close(out.float(), want, rtol=0, atol=tol * want.abs().max().item())
 
 
-def test_cpu_kernel_rows_do_not_depend_on_the_batch():
-    kernel = build_int4_matmul(random_int4(64, 256, 64), torch.float32)
+@pytest.mark.parametrize("name", ["cpu", "cpu-torch"])
+def test_cpu_kernel_rows_do_not_depend_on_the_batch(name):
+    kernel = build_int4_matmul(random_int4(64, 256, 64), torch.float32, name)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(2))
     full = kernel.matmul(x)
     for rows in (slice(0, 1), slice(3, 5), slice(8, 9)):
         assert torch.equal(kernel.matmul(x[rows]), full[rows])
 
 
-def test_groups_the_cpu_kernel_refuses_fall_back_to_the_reference(caplog):
-    w = random_int4(16, 64, 16)
+def test_pdserve_cpu_kernel_is_the_default_and_its_prefill_path_multiplies_the_same_matrix():
+    w = random_int4(48, 96, 32)
+    kernel = build_int4_matmul(w, torch.float32)
+    assert kernel.name == "cpu" and kernel.packed.shape == (12, 192)  # quads of rows
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))  # > 16 rows: at::mm
+    want = x.double() @ kernel.dequantize().double().t()
+    torch.testing.assert_close(kernel.matmul(x).double(), want, rtol=0,
+                               atol=1e-5 * want.abs().max().item())
+
+
+def test_shapes_no_cpu_kernel_takes_fall_back_to_the_reference(caplog):
+    w = random_int4(16, 48, 16)  # 48 inputs: not blocks of 32; groups of 16: not torch's
     with caplog.at_level(logging.WARNING):
         kernel = build_int4_matmul(w, torch.float32)
     assert kernel.name == "reference" and "groups of 16" in caplog.text
-    x = torch.randn(2, 64)
+    x = torch.randn(2, 48)
     torch.testing.assert_close(kernel.matmul(x), x @ w.dequantize().t())
+    with pytest.raises(ValueError, match="blocks of 32"):
+        build_int4_matmul(w, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="int4 kernel must be one of"):
+        build_int4_matmul(w, torch.float32, "gpu")
 
 
 # -- the layers' loaders ----------------------------------------------------------------------

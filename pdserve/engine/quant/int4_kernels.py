@@ -2,16 +2,19 @@
 
     Int4Matmul.build(weight, act_dtype) -> packed copy;   .matmul(x) -> x @ w^T in x.dtype
 
-- `cpu`: torch's packed-int4 CPU kernels. `_convert_weight_to_int4pack_for_cpu` packs the
-  values (uint8 [N, K/2], an opaque layout), `_weight_int4pack_mm_for_cpu` multiplies with
+- `cpu`: pdserve's own C++ kernel (`pdserve_quant::int4_linear`, kernels/cpu/int4_linear.cpp):
+  fp32 activations, fp16 scale and offset per group, nibbles in blocks of 32 (GGUF's Q4_0 /
+  Q4_1 order). On a Q4 GGUF its products are the fp32 model's up to summation order. Decode
+  batches (M <= 16) go through its GEMV, whose result for a row does not depend on the other
+  rows (bitwise); prefill dequantises tiles and multiplies them with at::mm. Needs K a
+  multiple of 32.
+- `cpu-torch`: torch's packed-int4 CPU kernels. `_convert_weight_to_int4pack_for_cpu` packs
+  the values (uint8 [N, K/2], an opaque layout), `_weight_int4pack_mm_for_cpu` multiplies with
   `scales_and_zeros` [K/g, N, 2] and dequantises `(q - 8) * scale + zero`, so zero =
-  offset + 8 * scale. Activations, scales and zeros must share one dtype; only bf16 is
-  vectorised here (the fp32 and fp16 variants measured 20-40x slower), so every model's
-  activations enter it as bf16 and leave in the model's dtype. Accepts groups of 32, 64, 128
-  or 256 (larger groups are split, exactly) and N a multiple of 16 (rows are padded with
-  zeros). Its output for a row
-  does not depend on the other rows of the batch (bitwise), so batching and speculative
-  verification change nothing.
+  offset + 8 * scale. Only its bf16 variant is vectorised (fp32 and fp16 measured 20-40x
+  slower), so activations enter it as bf16 and leave in the model's dtype. Groups of 32, 64,
+  128 or 256 (larger groups are split, exactly), N padded to a multiple of 16; rows
+  independent of the batch. Used where pdserve's kernel did not build.
 - `triton`: `pdserve.kernels.w4a16` (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests).
 - `reference`: dequantise the nibbles and multiply in fp32 each call. Slow; used where neither
   kernel takes the shape (CPU groups of 16) and as the oracle.
@@ -27,7 +30,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from pdserve.engine.quant.int4_weight import Int4Weight
-from pdserve.kernels.int4_pack import dequantize_packed, pack_nibbles
+from pdserve.kernels.int4_pack import dequantize_packed, pack_block32, pack_nibbles
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +60,34 @@ class Int4Matmul(ABC):
         """Bytes the packed weight, its scales and offsets take."""
 
 
-class CpuPackedInt4(Int4Matmul):
+class CpuInt4(Int4Matmul):
     name = "cpu"
+
+    def __init__(self, weight: Int4Weight, ops) -> None:
+        super().__init__(weight)
+        if self.in_features % 32:
+            raise ValueError(f"the CPU int4 kernel needs inputs in blocks of 32, got "
+                             f"{self.in_features}")
+        self.ops = ops
+        self.group_size = weight.group_size
+        self.packed = pack_block32(weight.qweight)
+        self.scale = weight.scale.to(torch.float16).contiguous()
+        self.offset = weight.offset.to(torch.float16).contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.int4_linear(x.float(), self.packed, self.scale, self.offset,
+                                 self.group_size)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.ops.int4_dequantize(self.packed, self.scale, self.offset, self.group_size)
+
+    def nbytes(self) -> int:
+        return _bytes(self.packed, self.scale, self.offset)
+
+
+class CpuPackedInt4(Int4Matmul):
+    name = "cpu-torch"
 
     def __init__(self, weight: Int4Weight, act_dtype: torch.dtype) -> None:
         super().__init__(weight)
@@ -150,26 +179,44 @@ def cpu_act_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
+KERNELS = ("auto", "cpu", "cpu-torch", "triton", "reference")
+
+
 def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,
                       kernel: str = "auto") -> Int4Matmul:
-    """The backend for this weight on its device: `kernel` = auto, cpu, triton or reference."""
+    """The backend for this weight on its device: `kernel` is one of `KERNELS`."""
     device = weight.qweight.device
     if kernel == "auto":
         if device.type == "cuda":
             kernel = "triton"
-        elif cpu_group_size(weight.group_size) is not None:
+        elif weight.shape[1] % 32 == 0 and _quant_ops() is not None:
             kernel = "cpu"
+        elif cpu_group_size(weight.group_size) is not None:
+            kernel = "cpu-torch"
         else:
-            log.warning("no int4 CPU kernel takes groups of %d; a [%d, %d] layer dequantises "
-                        "its weight at every call (slow)", weight.group_size, *weight.shape)
+            log.warning("no int4 CPU kernel takes a [%d, %d] layer in groups of %d; it "
+                        "dequantises its weight at every call (slow)", *weight.shape,
+                        weight.group_size)
             kernel = "reference"
     if kernel == "cpu":
+        ops = _quant_ops()
+        if ops is None:
+            raise ValueError("the CPU int4 kernel did not build here (see the warning); "
+                             "use kernel='cpu-torch' or 'reference'")
+        return CpuInt4(weight, ops)
+    if kernel == "cpu-torch":
         return CpuPackedInt4(weight, cpu_act_dtype(model_dtype))
     if kernel == "triton":
         return TritonInt4(weight)
     if kernel == "reference":
         return ReferenceInt4(weight)
-    raise ValueError(f"int4 kernel must be auto, cpu, triton or reference, got {kernel!r}")
+    raise ValueError(f"int4 kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+
+
+def _quant_ops():
+    from pdserve.kernels.cpu import load_quant_ops
+
+    return load_quant_ops()
 
 
 def _bytes(*tensors: torch.Tensor) -> int:

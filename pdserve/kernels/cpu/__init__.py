@@ -4,12 +4,13 @@
     ops.paged_attention(out, q, cache, block_tables, seq_lens, query_start, seqs, scale, window)
     ops.write_kv(cache, k, v, slot_mapping)
     quant = load_quant_ops()   # torch.ops.pdserve_quant, or None
-    quant.int8_linear(x, w_int8, scale)                          # -> x @ (w * scale)^T, fp32
+    quant.int8_linear(x, w_int8, scale)                   # -> x @ dequant(w)^T, fp32
+    quant.int4_linear(x, packed, scale, offset, group)    # -> x @ dequant(w)^T, fp32
 
-The sources (`paged_attention.cpp`, and `int8_linear.cpp` as a library of its own, built
-with AVX-512 where the CPU has it since it has no numerics to keep equal to an older build)
-are compiled by `torch.utils.cpp_extension.load` with gcc
-(-O3, OpenMP through torch's own pool, AVX2/FMA where the CPU has them) into torch's extension
+The sources (`paged_attention.cpp`; `int8_linear.cpp` and `int4_linear.cpp` as a library of
+their own, built with AVX-512 where the CPU has it) are compiled by
+`torch.utils.cpp_extension.load` with gcc (-O3, OpenMP through torch's own pool, AVX2/FMA
+where the CPU has them) into torch's extension
 cache (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the
 cached library in milliseconds. A failed build (no compiler, no ninja) is reported once as a
 warning and `load_ops()` returns None: callers fall back to the torch reference.
@@ -28,7 +29,8 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
-QUANT_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),)
+QUANT_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),
+                 Path(__file__).with_name("int4_linear.cpp"))
 ISAS = ("avx512", "avx2", "generic")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
                          "-mfma", "-mf16c"],
@@ -89,15 +91,27 @@ def _load_quant_ops(isa: str):
         return None
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-    name, flags = _build_spec("pdserve_quant", QUANT_SOURCES, (isa, _ISA_FLAGS[isa]))
+    name, flags = _quant_spec(isa)
     if not build(name, flags, QUANT_SOURCES):
         return None
     torch.library.register_fake("pdserve_quant::int8_linear", _int8_linear_fake)
+    torch.library.register_fake("pdserve_quant::int4_linear", _int4_linear_fake)
     return torch.ops.pdserve_quant
+
+
+def _quant_spec(isa: str) -> tuple[str, list[str]]:
+    # No contraction of a * b + c into one FMA: the int4 kernel dequantises with the fp32
+    # loader's two roundings (the FMAs it wants are written as intrinsics).
+    return _build_spec("pdserve_quant", QUANT_SOURCES,
+                       (isa, [*_ISA_FLAGS[isa], "-ffp-contract=off"]))
 
 
 def _int8_linear_fake(x, w, scale):
     return x.new_empty((x.shape[0], w.shape[0]))
+
+
+def _int4_linear_fake(x, packed, scale, offset, group):
+    return x.new_empty((x.shape[0], packed.shape[0]))
 
 
 def _register_fakes() -> None:
@@ -155,7 +169,7 @@ def main() -> None:
 
     print(_get_build_directory(_build_spec()[0], verbose=False))
     isa = best_isa()
-    quant = _build_spec("pdserve_quant", QUANT_SOURCES, (isa, _ISA_FLAGS[isa]))[0]
+    quant = _quant_spec(isa)[0]
     print(_get_build_directory(quant, verbose=False))
 
 

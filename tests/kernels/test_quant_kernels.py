@@ -1,7 +1,8 @@
-"""The C++ int8 x fp32 matmul (`pdserve_quant::int8_linear`, the LM head's 8-bit copy) against
-the dequantised weight in float64: every build this machine can run (AVX-512, AVX2, plain C++)
-gives the same products, for row counts around its tile of 8 and widths around its vectors;
-a row's result does not depend on the batch, bitwise."""
+"""The C++ quantised matmuls of `pdserve_quant` against their dequantised weights in float64:
+`int8_linear` (the LM head's 8-bit copy) and `int4_linear` (W4A16 on the CPU). Every build
+this machine can run (AVX-512, AVX2, plain C++) gives the same products, for row counts
+around the tiles and widths around the vectors; in decode batches (M <= 16) a row's result
+does not depend on the other rows, bitwise."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from pdserve.engine.quant.int8_head import quantize_groups
 from pdserve.kernels import cpu as cpu_kernels
+from pdserve.kernels.int4_pack import pack_block32
 
 # (rows of x, rows of w, inputs, group): groups of 32 and whole rows, widths that leave a
 # scalar tail after the vectors, row counts around the kernel's tile of 8.
@@ -37,19 +39,64 @@ def _check(ops) -> None:
         assert torch.equal(got, rows)
 
 
+# (rows of x, rows of w, inputs, group): one, two, three blocks per group and groups of 16;
+# row counts that leave partial quads of weight rows and partial tiles of 8 activation rows;
+# M = 1 (four weight rows at once) and M > 16 (the dequantise-and-GEMM path).
+INT4_SHAPES = [(1, 64, 576, 32), (1, 37, 96, 32), (3, 50, 128, 16), (9, 10, 256, 128),
+               (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32)]
+
+
+def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group, generator=g) * 0.02).half()
+    offset = (torch.randn(n, k // group, generator=g) * 0.05).half()
+    w = q.float().view(n, k // group, group) * scale.float()[..., None]
+    w = (w + offset.float()[..., None]).view(n, k)
+    return torch.randn(m, k, generator=g), pack_block32(q), scale, offset, w
+
+
+def _check_int4(ops) -> None:
+    for m, n, k, group in INT4_SHAPES:
+        x, packed, scale, offset, w = _int4_case(m, n, k, group)
+        assert torch.equal(ops.int4_dequantize(packed, scale, offset, group), w)
+        got = ops.int4_linear(x, packed, scale, offset, group)
+        want = x.double() @ w.double().t()
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        torch.testing.assert_close(got.double(), want, rtol=0,
+                                   atol=2e-6 * want.abs().max().item())
+        if m <= 16:
+            rows = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
+                              for i in range(m)])
+            assert torch.equal(got, rows)
+
+
 def test_int8_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
     ops = cpu_kernels.load_quant_ops()
     assert ops is not None, "the quant kernels must build on this machine"
     _check(ops)
 
 
+def test_int4_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
+    ops = cpu_kernels.load_quant_ops()
+    _check_int4(ops)
+    with pytest.raises(RuntimeError, match="power of two"):
+        x, packed, scale, offset, _ = _int4_case(1, 4, 96, 32)
+        ops.int4_linear(x, packed, scale, offset, 48)
+    with pytest.raises(RuntimeError, match="shapes"):
+        ops.int4_linear(x, packed[:, :-16], scale, offset, 32)
+    with pytest.raises(RuntimeError, match="fp16"):
+        ops.int4_linear(x, packed, scale.float(), offset, 32)
+
+
 _ISA_SCRIPT = """
 import sys, torch
 from pdserve.kernels import cpu
-from tests.kernels.test_int8_linear import _check
+from tests.kernels.test_quant_kernels import _check, _check_int4
 ops = cpu.load_quant_ops(sys.argv[1])
 assert ops is not None
 _check(ops)
+_check_int4(ops)
 print("ok")
 """
 

@@ -1,0 +1,409 @@
+// y = x @ dequant(w)^T for a 4-bit weight, fp32 activations in and fp32 out: the CPU W4A16
+// matmul (`quant/int4_kernels.py`, backend "cpu").
+//
+//   w[n, k] = q[n, k] * scale[n, k / g] + offset[n, k / g]      q in [0, 15], g >= 16
+//
+// Layout: blocks of 32 inputs, 16 bytes each; byte j of a block holds input j in its low
+// nibble and input j + 16 in its high one (GGUF's Q4_0 / Q4_1 order). Rows go in quads: the
+// packed tensor is [ceil(N / 4), K / 32, 4, 16] bytes, block b of rows 4i..4i+3 side by side,
+// so the decode kernel, which walks four rows at once, reads one sequential stream (four
+// row-major streams measured 1.6x slower once the weights no longer fit in cache). scale
+// and offset are fp16 [N, K / g]. One AVX-512 load widens a block's 16 bytes to two vectors
+// of 16 inputs in natural order (AVX2: two loads of 8 bytes, four vectors of 8), so
+// activations are read as they are.
+//
+// Why a kernel of our own: torch's `_weight_int4pack_mm_for_cpu` is fast only with bf16
+// activations, and bf16 activations are what separated W4A16 from the fp32 model on a Q4_1
+// GGUF whose 4-bit values are exactly the fp32 model's weights. Here everything is fp32, so
+// the two differ by rounding at the level of summation order.
+//
+// Decode (M <= 16): a GEMV that walks the packed weight once per tile of up to 8 activation
+// rows (four weight rows at once when M = 1), with software prefetch of the stream ahead;
+// rows are split over torch's thread pool. Larger M (prefill): each task dequantises 64
+// weight rows into a scratch matrix (q * scale, then + offset, two roundings as the fp32
+// loader does) and multiplies with at::mm, so prefill runs at GEMM speed. At M = 8 the fp32
+// FMAs are the bound (torch's bf16 dot products do twice the work per instruction there).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PDSERVE_INT4_VECTORS 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;       // inputs per 16-byte block
+constexpr int64_t kTile = 8;         // activation rows per pass over a weight row
+constexpr int64_t kGemvMaxRows = 16; // above this, dequantise and call at::mm
+constexpr int64_t kGemmRows = 64;    // weight rows dequantised per at::mm task
+constexpr int64_t kQuad = 4;         // rows interleaved block by block
+constexpr int64_t kBlockStride = kQuad * 16;  // bytes from one block of a row to its next
+
+// Block 0 of weight row `row`.
+inline const uint8_t* row_blocks(const uint8_t* packed, int64_t row, int64_t k) {
+  return packed + (row / kQuad) * (kQuad * k / 2) + (row % kQuad) * 16;
+}
+
+inline float half_to_float(uint16_t h) {
+#if defined(PDSERVE_INT4_VECTORS)
+  return _cvtsh_ss(h);
+#else
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+#endif
+}
+
+// A row's fp16 scales or offsets as fp32 (the kernels broadcast them from memory).
+inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(PDSERVE_INT4_VECTORS)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+
+// Scalar dequantisation of one block: out[0..31] = q * scale + offset, per group.
+inline void dequant_block_scalar(const uint8_t* p, const float* scale, const float* offset,
+                                 int64_t k0, int gshift, float* out) {
+  for (int j = 0; j < 16; ++j) {
+    const int64_t lo = k0 + j, hi = k0 + 16 + j;
+    const float slo = scale[lo >> gshift], olo = offset[lo >> gshift];
+    const float shi = scale[hi >> gshift], ohi = offset[hi >> gshift];
+    // Two roundings, as the fp32 loader's q * d + m: the library builds with -ffp-contract=off.
+    out[j] = static_cast<float>(p[j] & 0xF) * slo + olo;
+    out[16 + j] = static_cast<float>(p[j] >> 4) * shi + ohi;
+  }
+}
+
+// One weight row (K / 32 blocks) dequantised to fp32: the prefill path and the tests' oracle.
+// `buf` holds 2 * K / g floats.
+void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset, int64_t k,
+                 int gshift, float* buf, float* out) {
+  const int64_t groups = k >> gshift;
+  halves_to_floats(scale, groups, buf);
+  halves_to_floats(offset, groups, buf + groups);
+  for (int64_t k0 = 0; k0 < k; k0 += kBlock)
+    dequant_block_scalar(p + (k0 / kBlock) * kBlockStride, buf, buf + groups, k0, gshift,
+                         out + k0);
+}
+
+// The decode kernels take each group's offset out of the sum:
+//
+//   sum_k w[n, k] x[k] = sum_k (q[n, k] scale[n, g(k)]) x[k] + sum_g offset[n, g] X[g]
+//
+// with X[g] the group sums of x, computed once per call. Per 32 weights that is one widening
+// of 16 bytes, two int->float conversions and two multiplies by the scale (shared by every
+// activation row), then two FMAs per activation row. Each row keeps two accumulators (even
+// and odd vectors of a block), so consecutive FMAs do not wait on each other; the same
+// operations in the same order for every tile size, so a row's sums never depend on the batch.
+#if defined(PDSERVE_INT4_VECTORS) && defined(__AVX512F__)
+constexpr int kVecs = 2;                  // vectors of 16 inputs per block
+constexpr int kVecOffset[kVecs] = {0, 16};
+using vec = __m512;
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vset1(float v) { return _mm512_set1_ps(v); }
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
+inline void widen_block(const uint8_t* p, vec* q) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
+  q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+}
+#elif defined(PDSERVE_INT4_VECTORS)
+constexpr int kVecs = 4;                  // vectors of 8 inputs per block
+constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
+using vec = __m256;
+inline vec vzero() { return _mm256_setzero_ps(); }
+inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vec vset1(float v) { return _mm256_set1_ps(v); }
+inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vec v) {
+  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 sh = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  return _mm_cvtss_f32(_mm_add_ss(sh, _mm_shuffle_ps(sh, sh, 1)));
+}
+inline void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 16-23; 8-15: 8-15, 24-31
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i v = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    q[2 * half] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
+    q[2 * half + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+}
+#endif
+
+inline float offset_term(const float* offset, const float* xsum, int64_t groups) {
+  float s[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of adds, not one
+  int64_t g = 0;
+  for (; g + 4 <= groups; g += 4)
+    for (int j = 0; j < 4; ++j) s[j] += offset[g + j] * xsum[g + j];
+  for (; g < groups; ++g) s[0] += offset[g] * xsum[g];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+#if defined(PDSERVE_INT4_VECTORS)
+// Accumulator indices are compile-time constants throughout (a runtime index would keep the
+// accumulators on the stack, a store and reload per FMA).
+template <int R>
+inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
+                     const float* xsum, const float* x, int64_t k, int gshift, float* out) {
+  const int64_t groups = k >> gshift;
+  vec total[R][2];
+  for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = vzero();
+  vec q[kVecs];
+  if (gshift == 5) {  // one group per block (GGUF's Q4_0 / Q4_1): even blocks, odd blocks
+    for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi, p += kBlockStride) {
+      _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
+      widen_block(p, q);
+      const vec sv = vset1(scale[gi]);
+      for (int v = 0; v < kVecs; ++v) q[v] = vmul(q[v], sv);  // q * scale, once for all R
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < kVecs; ++v)
+          total[r][v & 1] = vfma(q[v], vload(x + r * k + k0 + kVecOffset[v]), total[r][v & 1]);
+    }
+  } else if (gshift > 5) {  // several blocks per group
+    const int64_t g = int64_t{1} << gshift;
+    for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
+      vec acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
+      for (int64_t k0 = g0; k0 < g0 + g; k0 += kBlock, p += kBlockStride) {
+        widen_block(p, q);
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < kVecs; ++v)
+            acc[r][v & 1] = vfma(q[v], vload(x + r * k + k0 + kVecOffset[v]), acc[r][v & 1]);
+      }
+      const vec sv = vset1(scale[gi]);
+      for (int r = 0; r < R; ++r) total[r][0] = vfma(vadd(acc[r][0], acc[r][1]), sv, total[r][0]);
+    }
+  } else {  // groups of 16: each vector lies in one group
+    for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
+      widen_block(p, q);
+      for (int v = 0; v < kVecs; ++v) {
+        const vec sv = vset1(scale[(k0 + kVecOffset[v]) >> 4]);
+        for (int r = 0; r < R; ++r)
+          total[r][v & 1] =
+              vfma(vmul(q[v], vload(x + r * k + k0 + kVecOffset[v])), sv, total[r][v & 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    out[r] = vsum(vadd(total[r][0], total[r][1])) + offset_term(offset, xsum + r * groups, groups);
+}
+
+// M = 1, groups of 32: four weight rows at once, so the rows' FMA chains overlap and each
+// activation vector is loaded once for all four. Per row, exactly the operations of
+// dot_tile<R> above in the same order, so a row's result is the same bitwise whatever the
+// batch.
+constexpr int kRows1 = 4;
+
+inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const float* xsum,
+                        const float* x, int64_t k, float* out) {
+  vec total[kRows1][2];
+  for (int i = 0; i < kRows1; ++i) total[i][0] = total[i][1] = vzero();
+  vec q[kVecs];
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi) {
+    // The stream ahead: hardware prefetch alone left ~30% of DRAM bandwidth unused here.
+    _mm_prefetch(reinterpret_cast<const char*>(p + (k0 / kBlock) * kBlockStride + 2048),
+                 _MM_HINT_T0);
+    vec xv[kVecs];
+    for (int v = 0; v < kVecs; ++v) xv[v] = vload(x + k0 + kVecOffset[v]);
+    for (int i = 0; i < kRows1; ++i) {
+      widen_block(p + (k0 / kBlock) * kBlockStride + i * 16, q);
+      const vec sv = vset1(so[i * 2 * groups + gi]);
+      for (int v = 0; v < kVecs; ++v)
+        total[i][v & 1] = vfma(vmul(q[v], sv), xv[v], total[i][v & 1]);
+    }
+  }
+  for (int i = 0; i < kRows1; ++i)
+    out[i] = vsum(vadd(total[i][0], total[i][1])) +
+             offset_term(so + i * 2 * groups + groups, xsum, groups);
+}
+#else
+template <int R>
+inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
+                     const float* xsum, const float* x, int64_t k, int gshift, float* out) {
+  const int64_t groups = k >> gshift;
+  for (int r = 0; r < R; ++r) out[r] = offset_term(offset, xsum + r * groups, groups);
+  for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
+    for (int j = 0; j < 16; ++j) {
+      const float lo = static_cast<float>(p[j] & 0xF) * scale[(k0 + j) >> gshift];
+      const float hi = static_cast<float>(p[j] >> 4) * scale[(k0 + 16 + j) >> gshift];
+      for (int r = 0; r < R; ++r) out[r] += lo * x[r * k + k0 + j] + hi * x[r * k + k0 + 16 + j];
+    }
+  }
+}
+#endif
+
+inline void dot_rows(int64_t rows, const uint8_t* p, const float* scale, const float* offset,
+                     const float* xsum, const float* x, int64_t k, int gshift, float* out) {
+  switch (rows) {
+    case 1: return dot_tile<1>(p, scale, offset, xsum, x, k, gshift, out);
+    case 2: return dot_tile<2>(p, scale, offset, xsum, x, k, gshift, out);
+    case 3: return dot_tile<3>(p, scale, offset, xsum, x, k, gshift, out);
+    case 4: return dot_tile<4>(p, scale, offset, xsum, x, k, gshift, out);
+    case 5: return dot_tile<5>(p, scale, offset, xsum, x, k, gshift, out);
+    case 6: return dot_tile<6>(p, scale, offset, xsum, x, k, gshift, out);
+    case 7: return dot_tile<7>(p, scale, offset, xsum, x, k, gshift, out);
+    default: return dot_tile<8>(p, scale, offset, xsum, x, k, gshift, out);
+  }
+}
+
+struct Int4Args {
+  const float* x;
+  const uint8_t* packed;
+  const uint16_t* scale;
+  const uint16_t* offset;
+  float* y;
+  int64_t m, n, k, groups;
+  int gshift;
+};
+
+void gemv(const Int4Args& a) {
+  // X[r, g]: each activation row's group sums, for the offsets' term.
+  std::vector<float> xsum(a.m * a.groups);
+  const int64_t g = a.k / a.groups;
+  for (int64_t r = 0; r < a.m; ++r)
+    for (int64_t gi = 0; gi < a.groups; ++gi) {
+      float s = 0.f;
+      for (int64_t j = 0; j < g; ++j) s += a.x[r * a.k + gi * g + j];
+      xsum[r * a.groups + gi] = s;
+    }
+  const int64_t quads = (a.n + kQuad - 1) / kQuad;
+  at::parallel_for(0, quads, 4, [&](int64_t begin, int64_t end) {
+    float out[kTile];
+    std::vector<float> so(2 * a.groups * kQuad);
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t row0 = quad * kQuad, rows_here = std::min(kQuad, a.n - row0);
+      for (int64_t i = 0; i < rows_here; ++i) {
+        halves_to_floats(a.scale + (row0 + i) * a.groups, a.groups, so.data() + i * 2 * a.groups);
+        halves_to_floats(a.offset + (row0 + i) * a.groups, a.groups,
+                         so.data() + i * 2 * a.groups + a.groups);
+      }
+#if defined(PDSERVE_INT4_VECTORS)
+      if (a.m == 1 && a.gshift == 5 && rows_here == kQuad) {
+        dot_rows_m1(row_blocks(a.packed, row0, a.k), so.data(), a.groups, xsum.data(), a.x,
+                    a.k, out);
+        for (int64_t i = 0; i < kQuad; ++i) a.y[row0 + i] = out[i];
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < rows_here; ++i) {
+        const uint8_t* p = row_blocks(a.packed, row0 + i, a.k);
+        const float* sc = so.data() + i * 2 * a.groups;
+        for (int64_t r0 = 0; r0 < a.m; r0 += kTile) {
+          const int64_t rows = std::min(kTile, a.m - r0);
+          dot_rows(rows, p, sc, sc + a.groups, xsum.data() + r0 * a.groups, a.x + r0 * a.k,
+                   a.k, a.gshift, out);
+          for (int64_t r = 0; r < rows; ++r) a.y[(r0 + r) * a.n + row0 + i] = out[r];
+        }
+      }
+    }
+  });
+}
+
+void gemm(const Int4Args& a, const at::Tensor& x) {
+  const int64_t tasks = (a.n + kGemmRows - 1) / kGemmRows;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    // Pool threads do not inherit the caller's inference mode: no autograd here, and the
+    // result is written through raw pointers, never an in-place op on y.
+    c10::InferenceMode guard;
+    at::Tensor w = at::empty({kGemmRows, a.k}, x.options());
+    std::vector<float> buf(2 * a.groups);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kGemmRows, rows = std::min(kGemmRows, a.n - r0);
+      float* wp = w.data_ptr<float>();
+      for (int64_t r = 0; r < rows; ++r)
+        dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
+                    a.offset + (r0 + r) * a.groups, a.k, a.gshift, buf.data(), wp + r * a.k);
+      const at::Tensor part = at::mm(x, w.narrow(0, 0, rows).t()).contiguous();
+      const float* pp = part.data_ptr<float>();
+      for (int64_t r = 0; r < a.m; ++r)
+        std::memcpy(a.y + r * a.n + r0, pp + r * rows, rows * sizeof(float));
+    }
+  });
+}
+
+int log2_exact(int64_t g) {
+  int s = 0;
+  while ((int64_t{1} << s) < g) ++s;
+  return (int64_t{1} << s) == g ? s : -1;
+}
+
+void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                const at::Tensor& offset, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scale.dim() == 2 && offset.dim() == 2,
+              "int4_linear: x [M, K], packed [N / 4, 2 K], scale and offset [N, K / group]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kByte &&
+                  scale.scalar_type() == at::kHalf && offset.scalar_type() == at::kHalf,
+              "int4_linear: x fp32, packed uint8, scale and offset fp16");
+  const int64_t k = x.size(1), n = scale.size(0);
+  TORCH_CHECK(group >= 16 && log2_exact(group) >= 0 && k % kBlock == 0 && k % group == 0,
+              "int4_linear: group must be a power of two >= 16 and K a multiple of 32 and of "
+              "the group");
+  TORCH_CHECK(packed.size(0) == (n + kQuad - 1) / kQuad && packed.size(1) == kQuad * k / 2 &&
+                  offset.size(0) == n &&
+                  scale.size(1) == k / group && offset.size(1) == k / group,
+              "int4_linear: shapes do not match");
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& offset, int64_t group) {
+  check_args(x, packed, scale, offset, group);
+  const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
+  const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
+  const int64_t m = xc.size(0), k = xc.size(1), n = sc.size(0);
+  at::Tensor y = at::empty({m, n}, xc.options());
+  const Int4Args a{xc.data_ptr<float>(),
+                   pc.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
+                   reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()),
+                   y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
+  if (m <= kGemvMaxRows) {
+    gemv(a);
+  } else {
+    gemm(a, xc);
+  }
+  return y;
+}
+
+at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale,
+                           const at::Tensor& offset, int64_t group) {
+  const int64_t n = scale.size(0), k = packed.size(1) * 2 / kQuad;
+  check_args(at::empty({0, k}, scale.options().dtype(at::kFloat)), packed, scale, offset, group);
+  const at::Tensor pc = packed.contiguous(), sc = scale.contiguous(), oc = offset.contiguous();
+  at::Tensor w = at::empty({n, k}, scale.options().dtype(at::kFloat));
+  const auto* s = reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>());
+  const auto* o = reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>());
+  const int gshift = log2_exact(group);
+  std::vector<float> buf(2 * (k / group));
+  for (int64_t r = 0; r < n; ++r)
+    dequant_row(row_blocks(pc.data_ptr<uint8_t>(), r, k), s + r * (k / group), o + r * (k / group),
+                k, gshift, buf.data(), w.data_ptr<float>() + r * k);
+  return w;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(pdserve_quant, m) {
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_quant, CPU, m) {
+  m.impl("int4_linear", &int4_linear);
+  m.impl("int4_dequantize", &int4_dequantize);
+}
