@@ -52,6 +52,38 @@ def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
     torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
 
 
+# SmolLM2's 9 query / 3 KV heads over 16-token blocks: contexts shorter than, equal to and
+# across the kernel's 8-key groups and the blocks, decode rows beside speculative-verify ones.
+REAL_Q = [1, 1, 1, 1, 1, 1, 1, 1, 5, 16]
+REAL_CTX = [1, 7, 8, 9, 16, 17, 63, 200, 21, 40]
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 20])  # 20: not a multiple of 8 (portable)
+@pytest.mark.parametrize("window", [None, 10])
+def test_real_model_shapes_ragged(backend, head_dim, window):
+    case = make_case(REAL_Q, REAL_CTX, heads=9, kv_heads=3, head_dim=head_dim, block_size=16,
+                     seed=head_dim)
+    (cache_k, out_k), (cache_r, out_r) = _both(backend, case, window)
+    assert torch.equal(cache_k, cache_r)
+    torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_output_does_not_depend_on_the_thread_count(backend):
+    # Pairs are split over threads by cost; each pair is computed whole by one thread.
+    case = make_case(REAL_Q[::-1] * 3, REAL_CTX[::-1] * 3, heads=9, kv_heads=3, head_dim=64,
+                     block_size=16, seed=7)
+    meta = backend.prepare(case.meta)
+    before = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append(backend.attend(case.q, case.cache, meta, case.scale, None))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 1), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_any_group_size_and_dtype(backend, heads, kv_heads, dtype):

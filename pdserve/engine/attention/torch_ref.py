@@ -2,12 +2,13 @@
 
 Requests with a single query token (decode) are gathered into one padded batch and run as one
 SDPA call; requests with several query tokens (prefill chunks, speculative verification) run
-one SDPA call each, with a causal mask offset by their cached context.
+one SDPA call each, with a causal mask offset by their cached context, on 4-D inputs so that
+SDPA picks its fused CPU (flash) kernel.
 
 Gathers index a head-major view of the cache (`[2, KVH, num_blocks, bs, D]`), so the gathered
 blocks of a request are already contiguous per head: the only copy is the gather itself. GQA
-is handled by folding each KV head's query group into the query-length dimension instead of
-repeating K and V.
+is handled by SDPA's `enable_gqa` (prefill) or by folding each KV head's query group into the
+query-length dimension (decode), never by repeating K and V.
 """
 
 from __future__ import annotations
@@ -101,16 +102,17 @@ class TorchAttention(AttentionBackend):
         q_len, h, d = q.shape
         nb = -(-ctx // cache.shape[3])
         k, v = gather_context(cache, table[:nb], ctx, q.dtype)
-        kvh = k.shape[0]
-        if q_len == ctx and window is None:  # a fresh prompt: the fast causal kernel
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+        # 4-D inputs ([1, H, L, D]): SDPA's CPU flash kernel takes those (GQA and a boolean
+        # mask included); 3-D ones fall back to its unfused math path, 2-3x slower.
+        q4 = q.transpose(0, 1).unsqueeze(0)
+        if q_len == ctx and window is None:  # a fresh prompt: plain causal
+            o = F.scaled_dot_product_attention(q4, k[None], v[None], is_causal=True,
                                                scale=scale, enable_gqa=True)
-            return o.transpose(0, 1)
-        g = h // kvh
-        qg = q.view(q_len, kvh, g, d).permute(1, 2, 0, 3).reshape(kvh, g * q_len, d)
-        mask = causal_mask(q_len, ctx, window, q.device).repeat(g, 1)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
-        return o.view(kvh, g, q_len, d).permute(2, 0, 1, 3).reshape(q_len, h, d)
+        else:
+            mask = causal_mask(q_len, ctx, window, q.device)
+            o = F.scaled_dot_product_attention(q4, k[None], v[None], attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
 
     def _decode(self, q, cache, meta, seqs, scale, window):
         """q: [B, H, D], one query per request in `seqs`."""

@@ -2,10 +2,18 @@
 //
 // Cache of one layer: [num_blocks, 2, num_kv_heads, block_size, head_dim] (0 = K, 1 = V),
 // contiguous, so one head's rows of one block are block_size * head_dim contiguous values.
-// Work is split over (request, KV head) pairs with at::parallel_for (torch's own OpenMP
-// pool, so torch.set_num_threads governs it). Each pair reads its K rows once for all the
+// Work is split over (request, KV head) pairs: each pair reads its K rows once for all the
 // query heads of its group (GQA) and all its query tokens, then its V rows once: the
 // context is never copied. Accumulation is in fp32 whatever the storage dtype.
+//
+// Two paths compute a pair. fp32 with head_dim a multiple of 8 on an AVX2/FMA build (the
+// engine's case) runs `attend_pair_avx2`: scores of 8 keys at a time (8 FMA chains, one
+// transposing horizontal add), V accumulated in registers 64 dims at a time, and the next
+// blocks of the table prefetched while one is computed (blocks are scattered, so the hardware
+// prefetcher would restart at every 4 KiB block). Anything else runs the portable
+// `attend_pair`. Pairs are handed to the threads of torch's pool (at::parallel_for, so
+// torch.set_num_threads governs it) in contiguous runs of equal cost (context x query rows),
+// not of equal count: a ragged batch's long requests would otherwise sit on one thread.
 //
 // Registered as torch ops (pdserve_cpu::paged_attention, pdserve_cpu::write_kv) so they can
 // be called from Python and traced by torch.compile.
@@ -20,7 +28,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PDSERVE_AVX2 1
+#endif
 
 namespace {
 
@@ -68,6 +82,30 @@ struct Shape {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
+// Softmax in place over each query row's visible keys (row r = query r / g sees keys
+// [low, hi], hi = first_hi + r / g); the other keys of the row get probability 0. Rows are
+// `span` scores long, covering keys [lo, lo + span). total[r]: the row's sum of exps.
+inline void softmax_rows(float* scores, float* total, int64_t rows, int64_t g, int64_t span,
+                         int64_t lo, int64_t first_hi, int64_t window) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t hi = first_hi + r / g;
+    const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
+    float* sc = scores + r * span - lo;  // indexed by absolute key position
+    float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+    for (int64_t t = low; t <= hi; ++t) m = std::max(m, sc[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = low; t <= hi; ++t) {
+      sc[t] = exp_nonpositive(sc[t] - m);
+      sum += sc[t];
+    }
+    for (int64_t t = lo; t < low; ++t) sc[t] = 0.f;
+    for (int64_t t = hi + 1; t < lo + span; ++t) sc[t] = 0.f;
+    total[r] = sum;
+  }
+}
+
 // One (request, KV head) pair: `qlen` query tokens starting at row `q0` of q/out; query j
 // sees keys [lo_j, hi_j] with hi_j = ctx - qlen + j and lo_j = hi_j - window + 1 (or 0).
 // D > 0 fixes head_dim at compile time (unrolled, vectorised rows); D == 0 reads s.head_dim.
@@ -96,24 +134,8 @@ void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64
     const float* k = as_float_row(kv_row(t, 0), row.data(), d);
     for (int64_t r = 0; r < rows; ++r) scores[r * span + (t - lo)] = dot(qf.data() + r * d, k, d);
   }
-  // Softmax per query row over its visible keys; the others keep probability 0.
   std::vector<float> total(rows);
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hi = first_hi + r / g;
-    const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
-    float* sc = scores.data() + r * span - lo;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = low; t <= hi; ++t) m = std::max(m, sc[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = low; t <= hi; ++t) {
-      sc[t] = exp_nonpositive(sc[t] - m);
-      sum += sc[t];
-    }
-    for (int64_t t = lo; t < low; ++t) sc[t] = 0.f;
-    for (int64_t t = hi + 1; t < ctx; ++t) sc[t] = 0.f;
-    total[r] = sum;
-  }
+  softmax_rows(scores.data(), total.data(), rows, g, span, lo, first_hi, window);
   for (int64_t t = lo; t < ctx; ++t) {
     const float* v = as_float_row(kv_row(t, 1), row.data(), d);
     for (int64_t r = 0; r < rows; ++r) axpy(acc.data() + r * d, scores[r * span + (t - lo)], v, d);
@@ -127,12 +149,222 @@ void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64
     }
 }
 
+#ifdef PDSERVE_AVX2
+// The 8 lanes of the result are the sums of a0 .. a7 (each over its own 8 lanes).
+inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                    __m256 a6, __m256 a7) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+  // u0 = [a0..a3 over lanes 0-3 | a0..a3 over lanes 4-7], u1 likewise for a4..a7.
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                       _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// exp_nonpositive on 8 lanes (the same Cephes polynomial).
+inline __m256 exp256_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 fx = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fmadd_ps(fx, _mm256_set1_ps(2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(_mm256_mul_ps(y, x), x, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+}
+
+// softmax_rows, 8 keys at a time (gcc does not vectorise the portable loops well).
+inline void softmax_rows_avx2(float* scores, float* total, int64_t rows, int64_t g,
+                              int64_t span, int64_t lo, int64_t first_hi, int64_t window) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t hi = first_hi + r / g;
+    const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
+    float* sc = scores + r * span - lo;  // indexed by absolute key position
+    const int64_t n = hi + 1 - low;
+    float* x = sc + low;
+    __m256 mv = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + t));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_movehdup_ps(m4)));
+    for (; t < n; ++t) m = std::max(m, x[t]);
+    const __m256 mb = _mm256_set1_ps(m);
+    __m256 sv = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+      const __m256 e = exp256_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(x + t), mb));
+      _mm256_storeu_ps(x + t, e);
+      sv = _mm256_add_ps(sv, e);
+    }
+    float sum = hsum(sv);
+    for (; t < n; ++t) {
+      x[t] = exp_nonpositive(x[t] - m);
+      sum += x[t];
+    }
+    for (int64_t u = lo; u < low; ++u) sc[u] = 0.f;
+    for (int64_t u = hi + 1; u < lo + span; ++u) sc[u] = 0.f;
+    total[r] = sum;
+  }
+}
+
+// out[j] = q . k_j for the n consecutive key rows k_j = k + j * d (d a multiple of 8):
+// 8 keys at a time, one FMA chain each, so the adds do not wait on each other.
+template <int64_t D>
+inline void score_keys(const float* q, const float* k, int64_t n, int64_t dim, float* out) {
+  const int64_t d = D > 0 ? D : dim;
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const float* kj = k + j * d;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+           a7 = a0;
+    for (int64_t c = 0; c < d; c += 8) {
+      const __m256 qc = _mm256_loadu_ps(q + c);
+      a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + c), a0);
+      a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + d + c), a1);
+      a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 2 * d + c), a2);
+      a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 3 * d + c), a3);
+      a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 4 * d + c), a4);
+      a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 5 * d + c), a5);
+      a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 6 * d + c), a6);
+      a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 7 * d + c), a7);
+    }
+    _mm256_storeu_ps(out + j, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+  }
+  for (; j < n; ++j) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t c = 0; c < d; c += 8)
+      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + j * d + c), a);
+    out[j] = hsum(a);
+  }
+}
+
+// acc[0, 8 NV) += sum_j p[j] * v_j[0, 8 NV) over n value rows v_j = v + j * stride,
+// the accumulator held in NV registers.
+template <int NV>
+inline void accumulate(float* acc, const float* p, const float* v, int64_t n, int64_t stride) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+    const float* vj = v + j * stride;
+    for (int i = 0; i < NV; ++i) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * i), a[i]);
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+
+// acc[0, d) += sum_j p[j] * v_j, 64 dims (8 registers) at a time.
+inline void accumulate_rows(float* acc, const float* p, const float* v, int64_t n, int64_t d) {
+  for (int64_t c = 0; c < d; c += 64) {
+    switch (std::min<int64_t>(64, d - c) / 8) {
+      case 8: accumulate<8>(acc + c, p, v + c, n, d); break;
+      case 7: accumulate<7>(acc + c, p, v + c, n, d); break;
+      case 6: accumulate<6>(acc + c, p, v + c, n, d); break;
+      case 5: accumulate<5>(acc + c, p, v + c, n, d); break;
+      case 4: accumulate<4>(acc + c, p, v + c, n, d); break;
+      case 3: accumulate<3>(acc + c, p, v + c, n, d); break;
+      case 2: accumulate<2>(acc + c, p, v + c, n, d); break;
+      default: accumulate<1>(acc + c, p, v + c, n, d); break;
+    }
+  }
+}
+
+inline void prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(float))
+    _mm_prefetch(reinterpret_cast<const char*>(p + i), _MM_HINT_T0);
+}
+
+constexpr int64_t kPrefetchBlocks = 2;  // how far ahead of the block being computed
+
+// attend_pair for fp32 with head_dim a multiple of 8: the same two passes (all scores, one
+// softmax per row, then V), block by block, prefetching kPrefetchBlocks ahead.
+template <int64_t D>
+void attend_pair_avx2(const float* q, float* out, const float* cache, const int64_t* table,
+                      int64_t q0, int64_t qlen, int64_t ctx, int64_t kvh, const Shape& s,
+                      float scale, int64_t window) {
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = qlen * g, bs = s.block_size;
+  const int64_t first_hi = ctx - qlen;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_hi - window + 1) : 0;
+  const int64_t span = ctx - lo;
+  thread_local std::vector<float> scratch;  // reused across pairs and calls: no allocation
+  scratch.resize(2 * rows * d + rows * span + rows);
+  float* qf = scratch.data();
+  float* acc = qf + rows * d;
+  float* scores = acc + rows * d;
+  float* total = scores + rows * span;
+  for (int64_t j = 0; j < qlen; ++j)
+    for (int64_t k = 0; k < g; ++k) {
+      const float* src = q + ((q0 + j) * s.heads + kvh * g + k) * d;
+      float* dst = qf + (j * g + k) * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * scale;
+    }
+  std::fill(acc, acc + rows * d, 0.f);
+  const int64_t head_rows = bs * d;  // one head's slice of one block
+  auto block = [&](int64_t b, int64_t which) {
+    return cache + ((table[b] * 2 + which) * s.kv_heads + kvh) * head_rows;
+  };
+  const int64_t b_lo = lo / bs, b_end = (ctx - 1) / bs + 1;
+  auto prefetch_ahead = [&](int64_t from, int64_t which) {
+    for (int64_t b = from; b < std::min(from + kPrefetchBlocks, b_end); ++b)
+      prefetch(block(b, which), head_rows);
+  };
+  prefetch_ahead(b_lo, 0);
+  for (int64_t b = b_lo; b < b_end; ++b) {
+    if (b + kPrefetchBlocks < b_end) prefetch(block(b + kPrefetchBlocks, 0), head_rows);
+    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+    const float* k = block(b, 0) + (t0 - b * bs) * d;
+    for (int64_t r = 0; r < rows; ++r)
+      score_keys<D>(qf + r * d, k, t1 - t0, d, scores + r * span + (t0 - lo));
+  }
+  prefetch_ahead(b_lo, 1);  // V's first blocks arrive during the softmax
+  softmax_rows_avx2(scores, total, rows, g, span, lo, first_hi, window);
+  for (int64_t b = b_lo; b < b_end; ++b) {
+    if (b + kPrefetchBlocks < b_end) prefetch(block(b + kPrefetchBlocks, 1), head_rows);
+    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+    const float* v = block(b, 1) + (t0 - b * bs) * d;
+    for (int64_t r = 0; r < rows; ++r)
+      accumulate_rows(acc + r * d, scores + r * span + (t0 - lo), v, t1 - t0, d);
+  }
+  for (int64_t j = 0; j < qlen; ++j)
+    for (int64_t k = 0; k < g; ++k) {
+      const int64_t r = j * g + k;
+      const float inv = 1.f / total[r];
+      float* dst = out + ((q0 + j) * s.heads + kvh * g + k) * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inv;
+    }
+}
+#endif  // PDSERVE_AVX2
+
 template <typename T>
 using PairFn = void (*)(const T*, T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
                         int64_t, const Shape&, float, int64_t);
 
 template <typename T>
 PairFn<T> pick_pair_fn(int64_t head_dim) {
+#ifdef PDSERVE_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (head_dim % 8 == 0) {
+      switch (head_dim) {
+        case 64: return &attend_pair_avx2<64>;
+        case 128: return &attend_pair_avx2<128>;
+        default: return &attend_pair_avx2<0>;
+      }
+    }
+  }
+#endif
   switch (head_dim) {
     case 64: return &attend_pair<T, 64>;
     case 128: return &attend_pair<T, 128>;
@@ -141,6 +373,23 @@ PairFn<T> pick_pair_fn(int64_t head_dim) {
     case 256: return &attend_pair<T, 256>;
     default: return &attend_pair<T, 0>;
   }
+}
+
+// Runs fn(w) for every pair w in [0, n), handing each thread of torch's pool one contiguous
+// run of pairs of about equal total cost (`start[w]`: the cost of the pairs before w,
+// start[n] the total).
+template <typename F>
+void for_pairs_balanced(const std::vector<int64_t>& start, const F& fn) {
+  const int64_t n = static_cast<int64_t>(start.size()) - 1;
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  auto first_of = [&](int64_t part) {  // first pair whose cost starts at or after the cut
+    const int64_t cut = start[n] * part / parts;
+    return std::lower_bound(start.begin(), start.begin() + n, cut) - start.begin();
+  };
+  at::parallel_for(0, parts, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t part = begin; part < end; ++part)
+      for (int64_t w = first_of(part), last = first_of(part + 1); w < last; ++w) fn(w);
+  });
 }
 
 void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
@@ -188,17 +437,22 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
     TORCH_CHECK((lens[b] + s.block_size - 1) / s.block_size <= s.max_blocks,
                 "block table too short for request ", b);
   }
+  // A pair's cost: its query rows times the keys they read, plus a fixed overhead.
+  std::vector<int64_t> start(n * s.kv_heads + 1, 0);
+  for (int64_t w = 0; w < n * s.kv_heads; ++w) {
+    const int64_t b = seq[w / s.kv_heads], qlen = qs[b + 1] - qs[b];
+    const int64_t keys = window > 0 ? std::min<int64_t>(lens[b], window + qlen - 1) : lens[b];
+    start[w + 1] = start[w] + qlen * s.group * keys + 64;
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attn", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* cp = cache.data_ptr<scalar_t>();
     const PairFn<scalar_t> attend = pick_pair_fn<scalar_t>(s.head_dim);
-    at::parallel_for(0, n * s.kv_heads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t w = begin; w < end; ++w) {
-        const int64_t b = seq[w / s.kv_heads], kvh = w % s.kv_heads;
-        attend(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b],
-                              lens[b], kvh, s, static_cast<float>(scale), window);
-      }
+    for_pairs_balanced(start, [&](int64_t w) {
+      const int64_t b = seq[w / s.kv_heads], kvh = w % s.kv_heads;
+      attend(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b], lens[b], kvh, s,
+             static_cast<float>(scale), window);
     });
   });
 }
