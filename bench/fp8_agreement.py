@@ -68,6 +68,8 @@ VARIANTS: dict[str, dict] = {
     "w4a16 int4 (fp32 head)": {"quantization": "int4", "lm_head_dtype": "model"},
     "w4a16 int4 + bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
     "w4a16 int4 + int8 head": {"quantization": "int4", "lm_head_dtype": "int8"},
+    "w4a16 int4 torch kernel + int8 head": {"quantization": "int4", "lm_head_dtype": "int8",
+                                            "int4_kernel": "cpu-torch"},
     "w4a16 int4 + int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
 

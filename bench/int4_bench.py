@@ -10,7 +10,8 @@ measures nothing). On the GGUF, fp32 is the file's blocks dequantised, and int4 
 the same Q4_1 blocks (repacked, never through floats).
 
 Speed rows: fp32 (the baseline), and `quantization="int4"` with each LM-head precision
-(`lm_head_dtype` model / bf16 / int8 / int4); decode tokens/s of the batch at batch 1 and 16,
+(`lm_head_dtype` model / bf16 / int8 / int4), and torch's int4 kernel (`int4_kernel=
+"cpu-torch"`, bf16 activations) with the int8 head; decode tokens/s of the batch at batch 1 and 16,
 after the prefill of 48-token prompts, interleaved repeats, best of each (noise only slows a
 run).
 
@@ -55,6 +56,8 @@ SPEED = {
     "int4": {"quantization": "int4", "lm_head_dtype": "model"},
     "int4+bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
     "int4+int8 head": {"quantization": "int4", "lm_head_dtype": "int8"},
+    "int4 torch kernel+int8 head": {"quantization": "int4", "lm_head_dtype": "int8",
+                                    "int4_kernel": "cpu-torch"},
     "int4+int4 head": {"quantization": "int4", "lm_head_dtype": "int4"},
 }
 
@@ -119,22 +122,27 @@ KERNEL_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576),
 def kernel_rows(batches: list[int], copies: int = 30, repeats: int = 5) -> list[dict]:
     """One layer's matmul as in a decode step of the real model's shapes: `copies` distinct
     weights per shape, so each call streams its weight from memory as a real step does
-    (the LM head has one copy: it is 113 MB). fp32 F.linear vs the CPU int4 kernel."""
+    (the LM head has one copy: it is 113 MB). fp32 F.linear vs pdserve's CPU int4 kernel and
+    torch's (`int4_kernel="cpu-torch"`)."""
     from pdserve.engine.quant.int4_kernels import build_int4_matmul
 
     rows = []
     for name, (n, k) in KERNEL_SHAPES.items():
         count = 1 if name == "lm_head" else copies
         dense = [torch.randn(n, k) * 0.02 for _ in range(count)]
-        int4 = [build_int4_matmul(quantize_int4(w, default_group_size(k)), torch.float32)
-                for w in dense]
+        q = [quantize_int4(w, default_group_size(k)) for w in dense]
+        ours = [build_int4_matmul(w, torch.float32, "cpu") for w in q]
+        theirs = [build_int4_matmul(w, torch.float32, "cpu-torch") for w in q]
         for m in batches:
             x = torch.randn(m, k)
             ts = {"fp32": _best_us([partial(torch.nn.functional.linear, x, w) for w in dense],
                                    repeats),
-                  "int4": _best_us([partial(w.matmul, x) for w in int4], repeats)}
+                  "int4": _best_us([partial(w.matmul, x) for w in ours], repeats),
+                  "torch": _best_us([partial(w.matmul, x) for w in theirs], repeats)}
             rows.append({"layer": name, "N": n, "K": k, "M": m, "fp32_us": ts["fp32"],
-                         "int4_us": ts["int4"], "speedup": ts["fp32"] / ts["int4"]})
+                         "int4_us": ts["int4"], "torch_int4_us": ts["torch"],
+                         "speedup": ts["fp32"] / ts["int4"],
+                         "vs_torch_int4": ts["torch"] / ts["int4"]})
     return rows
 
 
@@ -223,8 +231,10 @@ def main() -> None:
                                  "lm_head_MB"])
     kernels = [] if a.skip_kernels else kernel_rows(a.batches)
     if kernels:
-        print("\nOne matmul, weights streamed from memory (best of 5), fp32 vs int4 (CPU kernel)")
-        print_table(kernels, ["layer", "N", "K", "M", "fp32_us", "int4_us", "speedup"])
+        print("\nOne matmul, weights streamed from memory (best of 5): fp32, pdserve's int4 "
+              "kernel, torch's")
+        print_table(kernels, ["layer", "N", "K", "M", "fp32_us", "int4_us", "torch_int4_us",
+                              "speedup", "vs_torch_int4"])
     quality_rows = [] if a.skip_quality or a.random else quality(model_dir)
     if quality_rows:
         print(f"\nTop-1 agreement with fp32 on {len(PASSAGES)} real-text passages")

@@ -8,6 +8,8 @@ from typing import Any
 
 LM_HEAD_DTYPES = ("auto", "model", "bf16", "int8", "int4")
 """The LM head's precisions (`EngineConfig.lm_head_dtype`; `quant.lm_head` says what each is)."""
+INT4_KERNELS = ("auto", "cpu", "cpu-torch", "triton", "reference")
+"""W4A16 matmul backends (`EngineConfig.int4_kernel`; `quant.int4_kernels` says what each is)."""
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -56,9 +58,15 @@ class EngineConfig:
     model's precision, e.g. ("layers.0.*", "*.mlp.down_proj"); () quantises every one; None
     takes the scheme's measured default (`quant.fp8_scheme.DEFAULT_FULL_PRECISION`)."""
     lm_head_dtype: str = "auto"
-    """Precision of the LM head's matmul: model (the model's dtype), bf16 (a bf16 copy), int4
-    (a 4-bit copy), or auto (the quantisation scheme's default; "model" without one). A tied
-    embedding keeps its full-precision rows for the lookup."""
+    """Precision of the LM head's matmul: model (the model's dtype), bf16 (a bf16 copy), int8
+    (an 8-bit copy in groups of 32), int4 (a 4-bit copy), or auto (the quantisation scheme's
+    default: int8 under int4, "model" without a scheme). A tied embedding keeps its
+    full-precision rows for the lookup."""
+    int4_kernel: str = "auto"
+    """Under int4, the matmul: cpu (pdserve's C++ kernel, fp32 activations), cpu-torch
+    (torch's packed-int4 kernel, bf16 activations: faster from batch ~8, less exact), triton
+    (CUDA), reference (dequantise per call), or auto (cpu, else cpu-torch where ours did not
+    build; triton on CUDA)."""
     kv_cache_dtype: str = "auto"
     """auto (same as the model) or fp8 (E4M3 with per-block scales)."""
     speculative_config: dict[str, Any] | None = field(default=None, hash=False)
@@ -96,6 +104,9 @@ class EngineConfig:
             raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
                              f"{self.quantization!r}")
         _check_fp8_layers(self)
+        if self.int4_kernel not in INT4_KERNELS:
+            raise ValueError(f"int4_kernel must be one of {', '.join(INT4_KERNELS)}, got "
+                             f"{self.int4_kernel!r}")
         if self.lm_head_dtype not in LM_HEAD_DTYPES:
             raise ValueError(f"lm_head_dtype must be one of {', '.join(LM_HEAD_DTYPES)}, got "
                              f"{self.lm_head_dtype!r}")

@@ -87,7 +87,8 @@ class LLMEngine:
             model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
                                self.max_model_len, quantization=config.quantization,
                                lm_head_dtype=config.lm_head_dtype,
-                               fp8_full_precision=config.fp8_full_precision_layers)
+                               fp8_full_precision=config.fp8_full_precision_layers,
+                               int4_kernel=config.int4_kernel)
         except BaseException:
             self.close()
             raise
@@ -102,7 +103,7 @@ class LLMEngine:
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         scheme = resolve_quantization(config.quantization, checkpoint.path,
-                                      config.fp8_full_precision_layers)
+                                      config.fp8_full_precision_layers, config.int4_kernel)
         kv_key = f"{self.kv_layout.hash_key()}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:

@@ -22,12 +22,15 @@ def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                device: torch.device, tp: ParallelContext = SINGLE,
                max_positions: int | None = None,
                quantization: str | None = None, lm_head_dtype: str = "auto",
-               fp8_full_precision: tuple[str, ...] | None = None) -> torch.nn.Module:
+               fp8_full_precision: tuple[str, ...] | None = None,
+               int4_kernel: str = "auto") -> torch.nn.Module:
     """Build and load the model; `quantization` ("fp8", "int4") quantises its linear layers,
     and a quantised checkpoint (quantization_config in config.json) loads as it is stored;
     `lm_head_dtype` picks the LM head's precision (see `quant.lm_head`);
-    `fp8_full_precision` the layers FP8 leaves alone (None: its default)."""
-    scheme = resolve_quantization(quantization, checkpoint.path, fp8_full_precision)
+    `fp8_full_precision` the layers FP8 leaves alone (None: its default); `int4_kernel` the
+    W4A16 matmul."""
+    scheme = resolve_quantization(quantization, checkpoint.path, fp8_full_precision,
+                                  int4_kernel)
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
         if scheme is not None:  # before loading: quantised layers load into their own layout

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.config import LM_HEAD_DTYPES, EngineConfig
+from pdserve.engine.config import INT4_KERNELS, LM_HEAD_DTYPES, EngineConfig
 from pdserve.serving.kv_lease import LeaseConfig
 from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
 from pdserve.serving.security import ClientSecurity, InternalSecurity
@@ -91,6 +91,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lm-head-dtype", default="auto", choices=LM_HEAD_DTYPES,
                    help="the LM head's precision: auto (the quantisation's default), model, "
                         "bf16, int8 or int4")
+    p.add_argument("--int4-kernel", default="auto", choices=INT4_KERNELS,
+                   help="the W4A16 matmul: auto, cpu (fp32 activations), cpu-torch (torch's, "
+                        "bf16 activations), triton (CUDA) or reference")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each TP rank holds whole experts instead of a slice of "
@@ -178,6 +181,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         attention_backend=a.attention_backend, compile_decode=a.compile_decode,
         quantization=a.quantization, lm_head_dtype=a.lm_head_dtype,
+        int4_kernel=a.int4_kernel,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec,
         model_id=a.model_id[0] if a.model_id else "",
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,

@@ -277,3 +277,17 @@ def test_an_untied_lm_head_keeps_only_its_copy(tiny_llama):
                                rtol=0, atol=0.02 * want.abs().max().item())
     with pytest.raises(ValueError, match="lm_head_dtype"):
         LLM(str(tiny_llama), lm_head_dtype="fp4")
+
+
+def test_the_int4_kernel_is_an_engine_option_and_part_of_the_kv_key(tiny_qwen2):
+    from pdserve.engine.quant.checkpoint import resolve_quantization
+
+    llm = LLM(str(tiny_qwen2), num_gpu_blocks=16, quantization="int4", int4_kernel="cpu-torch")
+    kernels = {m.method.kernel.name for m in llm.engine.runner.model.modules()
+               if isinstance(m, LinearBase)}
+    assert kernels == {"cpu-torch"}
+    auto = resolve_quantization("int4", tiny_qwen2)
+    named = resolve_quantization("int4", tiny_qwen2, int4_kernel="cpu-torch")
+    assert auto.key != named.key  # bf16 activations make other KV than fp32 ones
+    with pytest.raises(ValueError, match="int4_kernel"):
+        LLM(str(tiny_qwen2), quantization="int4", int4_kernel="gpu")

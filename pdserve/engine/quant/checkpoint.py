@@ -12,6 +12,7 @@ refused; any other quant_method is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,10 +28,19 @@ _FROM_CHECKPOINT = {"fp8": Fp8Scheme.from_config, "gptq": Int4Scheme.from_config
 
 
 def resolve_quantization(requested: str | None, model_dir: str | Path,
-                         fp8_full_precision: Sequence[str] | None = None
-                         ) -> QuantScheme | None:
+                         fp8_full_precision: Sequence[str] | None = None,
+                         int4_kernel: str = "auto") -> QuantScheme | None:
     """The scheme to run: the checkpoint's own, else the requested one, else None.
-    `fp8_full_precision` (None: the scheme's default) applies to "fp8" quantised at load."""
+    `fp8_full_precision` (None: the scheme's default) applies to "fp8" quantised at load;
+    `int4_kernel` to any int4 scheme."""
+    scheme = _resolve(requested, Path(model_dir), fp8_full_precision)
+    if isinstance(scheme, Int4Scheme) and int4_kernel != "auto":
+        scheme = dataclasses.replace(scheme, kernel=int4_kernel)
+    return scheme
+
+
+def _resolve(requested: str | None, model_dir: Path,
+             fp8_full_precision: Sequence[str] | None) -> QuantScheme | None:
     if requested not in REQUESTABLE:
         raise ValueError(f"quantization must be None, 'fp8' or 'int4', got {requested!r}")
     if fp8_full_precision is not None and requested != "fp8":

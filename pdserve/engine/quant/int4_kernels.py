@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from pdserve.engine.config import INT4_KERNELS
 from pdserve.engine.quant.int4_weight import Int4Weight
 from pdserve.kernels.int4_pack import dequantize_packed, pack_block32, pack_nibbles
 
@@ -179,7 +180,7 @@ def cpu_act_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
-KERNELS = ("auto", "cpu", "cpu-torch", "triton", "reference")
+KERNELS = INT4_KERNELS
 
 
 def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,

@@ -44,9 +44,12 @@ class Int4Scheme(QuantScheme):
 
     @property
     def key(self) -> str:
+        # A named kernel is part of the key: torch's rounds activations to bf16, so KV made
+        # under it is not the KV of pdserve's fp32 kernel.
+        kernel = "" if self.kernel == "auto" else f"-{self.kernel}"
         if self.checkpoint is not None:
-            return f"int4-{self.checkpoint.method}"
-        return f"int4-g{self.group_size}"
+            return f"int4-{self.checkpoint.method}{kernel}"
+        return f"int4-g{self.group_size}{kernel}"
 
     def linear_method(self) -> LinearMethod:
         # A GPTQ / AWQ checkpoint's dense linear weight would be re-quantised: refuse it.
