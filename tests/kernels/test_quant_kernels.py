@@ -1,4 +1,4 @@
-"""The C++ quantised matmuls of `pdserve_quant` against their dequantised weights in float64:
+"""The C++ quantised matmuls of `pdserve_layers` against their dequantised weights in float64:
 `int8_linear` (the LM head's 8-bit copy) and `int4_linear` (W4A16 on the CPU). Every build
 this machine can run (AVX-512, AVX2, plain C++) gives the same products, for row counts
 around the tiles and widths around the vectors; in decode batches (M <= 16) a row's result
@@ -72,13 +72,13 @@ def _check_int4(ops) -> None:
 
 
 def test_int8_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
-    ops = cpu_kernels.load_quant_ops()
+    ops = cpu_kernels.load_layer_ops()
     assert ops is not None, "the quant kernels must build on this machine"
     _check(ops)
 
 
 def test_int4_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
-    ops = cpu_kernels.load_quant_ops()
+    ops = cpu_kernels.load_layer_ops()
     _check_int4(ops)
     with pytest.raises(RuntimeError, match="power of two"):
         x, packed, scale, offset, _ = _int4_case(1, 4, 96, 32)
@@ -92,11 +92,13 @@ def test_int4_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
 _ISA_SCRIPT = """
 import sys, torch
 from pdserve.kernels import cpu
+from tests.kernels.test_layer_ops import _check_layer_ops
 from tests.kernels.test_quant_kernels import _check, _check_int4
-ops = cpu.load_quant_ops(sys.argv[1])
+ops = cpu.load_layer_ops(sys.argv[1])
 assert ops is not None
 _check(ops)
 _check_int4(ops)
+_check_layer_ops(ops)
 print("ok")
 """
 
@@ -112,7 +114,7 @@ def test_narrower_builds_give_the_same_products(isa):
 
 
 def test_bad_inputs_are_refused_with_a_reason():
-    ops = cpu_kernels.load_quant_ops()
+    ops = cpu_kernels.load_layer_ops()
     x, q, scale = _case(2, 8, 32, 16)
     with pytest.raises(RuntimeError, match="fp32"):
         ops.int8_linear(x.double(), q, scale)

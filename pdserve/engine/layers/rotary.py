@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pdserve.engine.layers.fused import cpu_ops_for
 from pdserve.engine.model_config import RopeConfig
 
 
@@ -131,4 +132,7 @@ class RotaryEmbedding(nn.Module):
         if not isinstance(rope, RopeAt):
             rope = self.at(rope, q.dtype)
         cos, sin = rope.cos, rope.sin
+        ops = cpu_ops_for(q)
+        if ops is not None and q.stride(-1) == 1 and k.stride(-1) == 1:
+            return ops.rotary(q, k, cos, sin)  # bitwise the expression below, one call
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -101,8 +101,9 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
 
     def forward(self, rope, x, cache, meta, backend):
-        x = x + self.self_attn(rope, self.input_layernorm(x), cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(rope, self.input_layernorm(x), cache, meta, backend))
+        return x + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -2,7 +2,7 @@
 
     Int4Matmul.build(weight, act_dtype) -> packed copy;   .matmul(x) -> x @ w^T in x.dtype
 
-- `cpu`: pdserve's own C++ kernel (`pdserve_quant::int4_linear`, kernels/cpu/int4_linear.cpp):
+- `cpu`: pdserve's own C++ kernel (`pdserve_layers::int4_linear`, kernels/cpu/int4_linear.cpp):
   fp32 activations, fp16 scale and offset per group, nibbles in blocks of 32 (GGUF's Q4_0 /
   Q4_1 order). On a Q4 GGUF its products are the fp32 model's up to summation order. Decode
   batches (M <= 16) go through its GEMV, whose result for a row does not depend on the other
@@ -215,9 +215,9 @@ def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,
 
 
 def _quant_ops():
-    from pdserve.kernels.cpu import load_quant_ops
+    from pdserve.kernels.cpu import load_layer_ops
 
-    return load_quant_ops()
+    return load_layer_ops()
 
 
 def _bytes(*tensors: torch.Tensor) -> int:

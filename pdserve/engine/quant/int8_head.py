@@ -5,7 +5,7 @@ tied embedding) another 113 MB: the head, not the 4-bit layers, set the step. Th
 ~0.28 of that. Symmetric quantisation in groups of 32 (scale = max|w| / 127 of the group, as
 GGUF's Q8_0) keeps top-1 agreement with the fp32 head on real text; one scale per row lost
 2 points of it (docs/perf.md). The product runs in fp32 activations with fp32
-logits (`pdserve_quant::int8_linear`, a C++ CPU kernel): bf16 logits would tie tokens that
+logits (`pdserve_layers::int8_linear`, a C++ CPU kernel): bf16 logits would tie tokens that
 fp32 logits tell apart.
 
 Without the kernel (no compiler, another device) the weight is dequantised once and
@@ -60,9 +60,9 @@ class Int8HeadMethod(LinearMethod):
         w = layer.weight.data
         self.qweight, self.scale = quantize_groups(w, group_size(w.shape[1]))
         if layer.weight.device.type == "cpu":
-            from pdserve.kernels.cpu import load_quant_ops
+            from pdserve.kernels.cpu import load_layer_ops
 
-            self._ops = load_quant_ops()
+            self._ops = load_layer_ops()
         if self._ops is None:
             log.warning("no int8 kernel here: the LM head's int8 copy is dequantised and "
                         "multiplied densely (no memory or speed saving)")

@@ -3,7 +3,7 @@
     ops = load_ops()   # torch.ops.pdserve_cpu, or None when they cannot be built here
     ops.paged_attention(out, q, cache, block_tables, seq_lens, query_start, seqs, scale, window)
     ops.write_kv(cache, k, v, slot_mapping)
-    quant = load_quant_ops()   # torch.ops.pdserve_quant, or None
+    quant = load_layer_ops()   # torch.ops.pdserve_layers, or None
     quant.int8_linear(x, w_int8, scale)                   # -> x @ dequant(w)^T, fp32
     quant.int4_linear(x, packed, scale, offset, group)    # -> x @ dequant(w)^T, fp32
 
@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
-QUANT_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),
-                 Path(__file__).with_name("int4_linear.cpp"))
+LAYER_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),
+                 Path(__file__).with_name("int4_linear.cpp"),
+                 Path(__file__).with_name("layer_ops.cpp"))
 ISAS = ("avx512", "avx2", "generic")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
                          "-mfma", "-mf16c"],
@@ -78,31 +79,34 @@ def load_ops():
     return torch.ops.pdserve_cpu
 
 
-def load_quant_ops(isa: str | None = None):
-    """torch.ops.pdserve_quant built for `isa` (one of `ISAS`; default: this CPU's widest), or
+def load_layer_ops(isa: str | None = None):
+    """torch.ops.pdserve_layers built for `isa` (one of `ISAS`; default: this CPU's widest), or
     None (warned once). Tests name an ISA to check a narrower build on a wider machine; only
     one ISA's library can be loaded into a process (the ops share one name)."""
-    return _load_quant_ops(isa or best_isa())
+    return _load_layer_ops(isa or best_isa())
 
 
 @functools.cache
-def _load_quant_ops(isa: str):
+def _load_layer_ops(isa: str):
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     if isa not in ISAS:
         raise ValueError(f"isa must be one of {ISAS}, got {isa!r}")
-    name, flags = _quant_spec(isa)
-    if not build(name, flags, QUANT_SOURCES):
+    name, flags = _layer_spec(isa)
+    if not build(name, flags, LAYER_SOURCES):
         return None
-    torch.library.register_fake("pdserve_quant::int8_linear", _int8_linear_fake)
-    torch.library.register_fake("pdserve_quant::int4_linear", _int4_linear_fake)
-    return torch.ops.pdserve_quant
+    torch.library.register_fake("pdserve_layers::int8_linear", _int8_linear_fake)
+    torch.library.register_fake("pdserve_layers::int4_linear", _int4_linear_fake)
+    torch.library.register_fake("pdserve_layers::rms_norm", _rms_norm_fake)
+    torch.library.register_fake("pdserve_layers::add_rms_norm", _add_rms_norm_fake)
+    torch.library.register_fake("pdserve_layers::rotary", _rotary_fake)
+    return torch.ops.pdserve_layers
 
 
-def _quant_spec(isa: str) -> tuple[str, list[str]]:
+def _layer_spec(isa: str) -> tuple[str, list[str]]:
     # No contraction of a * b + c into one FMA: the int4 kernel dequantises with the fp32
     # loader's two roundings (the FMAs it wants are written as intrinsics).
-    return _build_spec("pdserve_quant", QUANT_SOURCES,
+    return _build_spec("pdserve_layers", LAYER_SOURCES,
                        (isa, [*_ISA_FLAGS[isa], "-ffp-contract=off"]))
 
 
@@ -111,7 +115,19 @@ def _int8_linear_fake(x, w, scale):
 
 
 def _int4_linear_fake(x, packed, scale, offset, group):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+    return x.new_empty((x.shape[0], scale.shape[0]))
+
+
+def _rms_norm_fake(x, weight, eps):
+    return torch.empty_like(x)
+
+
+def _add_rms_norm_fake(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+def _rotary_fake(q, k, cos, sin):
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _register_fakes() -> None:
@@ -163,13 +179,13 @@ def _put_ninja_on_path() -> None:
 
 
 def main() -> None:
-    if load_ops() is None or load_quant_ops() is None:
+    if load_ops() is None or load_layer_ops() is None:
         raise SystemExit("pdserve CPU kernels: build failed (see the warning above)")
     from torch.utils.cpp_extension import _get_build_directory
 
     print(_get_build_directory(_build_spec()[0], verbose=False))
     isa = best_isa()
-    quant = _quant_spec(isa)[0]
+    quant = _layer_spec(isa)[0]
     print(_get_build_directory(quant, verbose=False))
 
 

@@ -398,12 +398,12 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale,
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(pdserve_quant, m) {
+TORCH_LIBRARY_FRAGMENT(pdserve_layers, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_quant, CPU, m) {
+TORCH_LIBRARY_IMPL(pdserve_layers, CPU, m) {
   m.impl("int4_linear", &int4_linear);
   m.impl("int4_dequantize", &int4_dequantize);
 }

@@ -145,8 +145,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(pdserve_quant, m) {
+TORCH_LIBRARY(pdserve_layers, m) {
   m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_quant, CPU, m) { m.impl("int8_linear", &int8_linear); }
+TORCH_LIBRARY_IMPL(pdserve_layers, CPU, m) { m.impl("int8_linear", &int8_linear); }
