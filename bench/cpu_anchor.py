@@ -15,14 +15,15 @@ without AMX, keeping AVX-512 where the CPU has it:
         [--quantization int4] [--without-llama-cpp]
 
 Both read the default model's file (SmolLM2-135M-Instruct, Q4_1): llama.cpp computes on the
-4-bit blocks as stored; pdserve dequantises to fp32 (default) or, with `--quantization int4`,
-keeps 4-bit weights (W4A16). Workload: `batch` random 128-token prompts, `--new` greedy tokens
+4-bit blocks as stored; so does pdserve by default (a Q4 GGUF runs as int4: W4A16 through its
+fp32-activation kernel, the Q8_0 embedding as the int8 LM head), and `--quantization none`
+dequantises to fp32. Workload: `batch` random 128-token prompts, `--new` greedy tokens
 each. Decode tokens/s = (batch x (new - 1)) / the time from every request's first token to the
 last token: prefill is left out on both sides. llama.cpp runs a batch as `batch` sequences of
 one context (n_seq_max = batch), one `llama_decode` per step over all of them; pdserve is
 its engine stepping its continuous batch. Engines alternate within each repeat; medians.
 `--without-llama-cpp` (where the package is not built): the comparison is pdserve with
-`--quantization` against pdserve fp32 on the same file, in the same run, and no anchor.
+`--quantization` against pdserve dense fp32 on the same file, in the same run, no anchor.
 Writes bench/results/cpu_anchor.json.
 """
 
@@ -130,7 +131,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--quantization", default=None, help="pdserve weights: None (fp32), int4")
+    ap.add_argument("--quantization", default=None,
+                    help="pdserve weights: None (as stored: int4), none (dense fp32), int4")
     ap.add_argument("--compile-decode", default="off")
     ap.add_argument("--without-llama-cpp", action="store_true",
                     help="llama-cpp-python not installed: pdserve's weights against pdserve "
@@ -145,7 +147,7 @@ def main() -> None:
     if a.without_llama_cpp:
         other_name = "pdserve_fp32"
         fp32 = LLM(str(ensure_default_model()), enable_prefix_caching=False,
-                   kv_cache_memory_gb=0.5)
+                   kv_cache_memory_gb=0.5, quantization="none")
         run_pdserve(fp32, prompts_for(2), 4)
 
         def theirs_run(prompts, new):
@@ -175,7 +177,7 @@ def main() -> None:
                                                                        strict=True)),
                      "same_greedy_seqs": f"{same}/{batch}"})
         raw[batch] = {"pdserve_s": t_ours, f"{other_name}_s": t_theirs}
-    weights = a.quantization or "fp32"
+    weights = a.quantization or "as stored"
     print(f"\npdserve ({weights}) vs {other_name}, {gguf.name}, {a.threads} threads, "
           f"decode tokens/s, medians of {a.repeats}")
     print_table(rows, ["batch", "pdserve_tok_s", f"{other_name}_tok_s", "ratio",

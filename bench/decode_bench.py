@@ -1,4 +1,4 @@
-"""Decode speed on the real default model (SmolLM2-135M-Instruct, fp32): pdserve vs HF
+"""Decode speed on the real default model (SmolLM2-135M-Instruct): pdserve vs HF
 transformers, and weight bytes read per second over memory-copy bandwidth. Issue 15.
 
     .venv/bin/python bench/decode_bench.py [--repeats 3] [--threads 2]
@@ -6,10 +6,13 @@ transformers, and weight bytes read per second over memory-copy bandwidth. Issue
 
 Engines (one process, all loaded at start; every repeat runs each of them in turn, so the
 machine's noise hits all alike; medians of the repeats, ratios within a repeat):
-- `eager`: the default engine (C++ CPU paged attention, eager decode step);
+- `default`: the engine as it serves this file: its Q4_1 blocks as int4 (pdserve's
+  fp32-activation kernel) and its Q8_0 embedding as the int8 LM head;
+- `eager`: dense fp32 (`quantization="none"`: the blocks dequantised, as HF does), C++ CPU
+  paged attention, eager decode step;
 - `inductor`: the same with `compile_decode="inductor"` (compiled before timing);
-- `reference`: `attention_backend="torch"`, the pure-torch paged attention (the previous
-  engine's path);
+- `reference`: dense fp32 with `attention_backend="torch"`, the pure-torch paged attention
+  (the previous engine's path);
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
 
 Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
@@ -17,7 +20,8 @@ Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (p
 useful tokens), as in bench/engine_bench.py. Bandwidth (batch 1): every weight byte a decode
 step reads (the embedding matrix counted once: tied, it is read whole as the LM head) x
 tokens/s, over a large tensor copy's bytes/s measured right before each repeat.
-Greedy tokens of every pdserve engine are checked equal to each other and, at batch 1, to HF.
+Greedy tokens of the dense engines are checked equal to each other and, at batch 1, to HF;
+the default engine's sequences equal to the dense ones are counted (`same_greedy`).
 Writes bench/results/decode.json.
 """
 
@@ -38,10 +42,12 @@ from bench.engine_bench import workload  # noqa: E402
 from pdserve.default_model import ensure_default_model, source_file  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 
+DENSE = {"quantization": "none"}
 ENGINES = {
-    "eager": {},
-    "inductor": {"compile_decode": "inductor"},
-    "reference": {"attention_backend": "torch"},
+    "default": {},
+    "eager": DENSE,
+    "inductor": {**DENSE, "compile_decode": "inductor"},
+    "reference": {**DENSE, "attention_backend": "torch"},
 }
 
 
@@ -78,6 +84,11 @@ def run_ours(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]]]:
 
 def weight_bytes(llm: LLM) -> int:
     """Bytes of weights one decode step reads (shared tensors once)."""
+    if llm.engine.config.quantization != "none":  # packed layers and the LM head's copy
+        from bench.int4_bench import footprint
+
+        f = footprint(llm)
+        return int((f["linear_MB"] + f["lm_head_MB"]) * 1e6)
     model = llm.engine.runner.model
     seen, total = set(), 0
     for p in model.parameters():  # parameters() already skips the tied duplicate
@@ -105,15 +116,19 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
             dt, tokens["hf"] = run_hf(hf, prompts, max_new)
             times["hf"].append(dt)
             print(f"batch {batch} hf: {useful / dt:.3g} tok/s", flush=True)
-    ours = [tokens[n] for n in engines]
-    assert all(t == ours[0] for t in ours), "pdserve engines disagree on greedy tokens"
-    if batch == 1 and hf is not None:
-        assert tokens["hf"] == ours[0], "pdserve and HF disagree on greedy tokens"
+    dense = [tokens[n] for n in engines if ENGINES[n].get("quantization") == "none"]
+    assert all(t == dense[0] for t in dense), "pdserve's dense engines disagree on greedy tokens"
+    if batch == 1 and hf is not None and dense:
+        assert tokens["hf"] == dense[0], "pdserve and HF disagree on greedy tokens"
+    baseline = dense[0] if dense else tokens.get("hf")
     rows = []
     for name, ts in times.items():
         if not ts:
             continue
         row = {"batch": batch, "engine": name, "tok_s": useful / statistics.median(ts)}
+        if baseline is not None and name != "hf":
+            same = sum(a == b for a, b in zip(tokens[name], baseline, strict=True))
+            row["same_greedy"] = f"{same}/{batch}"
         if hf is not None and name != "hf":
             row["vs_hf"] = statistics.median(h / t for h, t in zip(times["hf"], ts,
                                                                     strict=True))
@@ -150,21 +165,27 @@ def main() -> None:
         rows += got
         result.update({f"batch{batch}": got, f"batch{batch}_raw": extra})
         if batch == 1:
-            bw = bandwidth_rows(got, weight_bytes(next(iter(engines.values()))),
+            bw = bandwidth_rows(got, {n: weight_bytes(llm) for n, llm in engines.items()},
                                 extra["memcpy_GB_s"])
             result["bandwidth"] = bw
-    print(f"\nDecode, SmolLM2-135M-Instruct fp32, {a.threads} threads, medians of {a.repeats}")
-    print_table(rows, ["batch", "engine", "tok_s", "vs_hf"])
+    print(f"\nDecode, SmolLM2-135M-Instruct, {a.threads} threads, medians of {a.repeats}")
+    print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "same_greedy"])
     if bw:
         print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
         print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])
     print(f"\nwrote {write_json(a.output, result)}")
 
 
-def bandwidth_rows(rows: list[dict], wb: int, memcpy_gb_s: float) -> list[dict]:
-    return [{"engine": r["engine"], "weight_MB": wb / 1e6, "weight_GB_s": wb * r["tok_s"] / 1e9,
-             "memcpy_GB_s": memcpy_gb_s, "utilisation": wb * r["tok_s"] / (memcpy_gb_s * 1e9)}
-            for r in rows if r["engine"] != "hf"]
+def bandwidth_rows(rows: list[dict], wb: dict[str, int], memcpy_gb_s: float) -> list[dict]:
+    out = []
+    for r in rows:
+        if r["engine"] == "hf":
+            continue
+        b = wb[r["engine"]]
+        out.append({"engine": r["engine"], "weight_MB": b / 1e6,
+                    "weight_GB_s": b * r["tok_s"] / 1e9, "memcpy_GB_s": memcpy_gb_s,
+                    "utilisation": b * r["tok_s"] / (memcpy_gb_s * 1e9)})
+    return out
 
 
 if __name__ == "__main__":

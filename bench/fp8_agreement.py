@@ -131,7 +131,9 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model_dir = Path(a.model) if a.model else ensure_default_model()
-    opts = {"dtype": "float32", "num_gpu_blocks": 192, "enable_prefix_caching": False}
+    # Dense fp32 is the reference and every variant's starting point (a Q4 GGUF runs int4 else).
+    opts = {"dtype": "float32", "num_gpu_blocks": 192, "enable_prefix_caching": False,
+            "quantization": "none"}
     base = LLM(str(model_dir), **opts)
     passages = [base.tokenizer.encode(p) for p in PASSAGES]
     ref = top1_per_position(base, passages)

@@ -27,10 +27,10 @@ from pdserve.demo_model import ensure_demo_model  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
 from pdserve.engine.layers.linear import LinearBase  # noqa: E402
 
-CONFIGS = {
-    "fp32": {},
+CONFIGS = {  # dense fp32 weights unless FP8 is asked for (a Q4 GGUF runs int4 by default)
+    "fp32": {"quantization": "none"},
     "w8a8_fp8": {"quantization": "fp8"},
-    "kv_fp8": {"kv_cache_dtype": "fp8"},
+    "kv_fp8": {"kv_cache_dtype": "fp8", "quantization": "none"},
 }
 
 

@@ -52,7 +52,7 @@ from pdserve.engine.quant.int4_quantize import (  # noqa: E402
 )
 
 SPEED = {
-    "fp32": {},
+    "fp32": {"quantization": "none"},  # the file's blocks dequantised (the GGUF runs int4 else)
     "int4": {"quantization": "int4", "lm_head_dtype": "model"},
     "int4+bf16 head": {"quantization": "int4", "lm_head_dtype": "bf16"},
     "int4+int8 head": {"quantization": "int4", "lm_head_dtype": "int8"},
@@ -187,7 +187,7 @@ def fake_int4(llm: LLM, clip: bool) -> LLM:
 
 
 def quality(model_dir: Path) -> list[dict]:
-    base = LLM(str(model_dir), dtype="float32", num_gpu_blocks=64)
+    base = LLM(str(model_dir), dtype="float32", num_gpu_blocks=64, quantization="none")
     prompts = passage_ids(base)
     ref = logits_of(base, prompts)
     rows = []
@@ -198,7 +198,8 @@ def quality(model_dir: Path) -> list[dict]:
         rows.append({"config": name, **agreement(ref, logits_of(llm, prompts))})
         del llm
     for clip in (True, False):
-        llm = fake_int4(LLM(str(model_dir), dtype="float32", num_gpu_blocks=64), clip)
+        llm = fake_int4(LLM(str(model_dir), dtype="float32", num_gpu_blocks=64,
+                            quantization="none"), clip)
         name = f"at-load groups, fp32 matmul, {'clip search' if clip else 'min/max'}"
         rows.append({"config": name, **agreement(ref, logits_of(llm, prompts))})
         del llm

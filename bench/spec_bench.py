@@ -110,8 +110,10 @@ def timed(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]], dict]:
 
 def run_rows(model_dir: Path, prompts, max_new, names: list[str], repeats: int,
              label: str | None = None, num_gpu_blocks: int | None = None) -> list[dict]:
+    # Dense fp32 (the figures in docs/perf.md are fp32; a Q4 GGUF would run int4 by default).
     llms = {n: LLM(str(model_dir), dtype="float32", enable_prefix_caching=False,
-                   speculative_config=CONFIGS[n], num_gpu_blocks=num_gpu_blocks)
+                   speculative_config=CONFIGS[n], num_gpu_blocks=num_gpu_blocks,
+                   quantization="none")
             for n in names}
     for llm in llms.values():
         llm.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up

@@ -50,9 +50,11 @@ class EngineConfig:
     seed: int = 0
     """Seed of the engine's own RNG, which draws per-request seeds for unseeded requests."""
     quantization: str | None = None
-    """None, "fp8" (E4M3 weights with per-channel scales, dynamic per-token activations) or
-    "int4" (W4A16: 4-bit group-quantised weights, 16-bit activations). A quantised checkpoint
-    (GPTQ, AWQ, FP8: quantization_config in config.json) runs its own scheme either way."""
+    """None (the checkpoint as stored), "fp8" (E4M3 weights with per-channel scales, dynamic
+    per-token activations), "int4" (W4A16: 4-bit group-quantised weights) or "none" (dense
+    weights: a GGUF's 4-bit blocks dequantised to the model's dtype). A quantised checkpoint
+    (GPTQ, AWQ, FP8: quantization_config in config.json) runs its own scheme either way, and
+    a GGUF whose linear weights are all 4-bit blocks (Q4_0 / Q4_1 / Q4_K) runs as int4."""
     fp8_full_precision_layers: tuple[str, ...] | None = None
     """Under quantization="fp8" (at load): fnmatch patterns of the linear layers kept in the
     model's precision, e.g. ("layers.0.*", "*.mlp.down_proj"); () quantises every one; None
@@ -100,8 +102,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks must be positive, got {self.num_gpu_blocks}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ValueError(f"max_model_len must be > 1, got {self.max_model_len}")
-        if self.quantization not in (None, "fp8", "int4"):
-            raise ValueError(f"quantization must be None, 'fp8' or 'int4', got "
+        if self.quantization not in (None, "none", "fp8", "int4"):
+            raise ValueError(f"quantization must be None, 'none', 'fp8' or 'int4', got "
                              f"{self.quantization!r}")
         _check_fp8_layers(self)
         if self.int4_kernel not in INT4_KERNELS:

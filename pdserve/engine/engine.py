@@ -103,7 +103,8 @@ class LLMEngine:
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         scheme = resolve_quantization(config.quantization, checkpoint.path,
-                                      config.fp8_full_precision_layers, config.int4_kernel)
+                                      config.fp8_full_precision_layers, config.int4_kernel,
+                                      checkpoint.native_quantization())
         kv_key = f"{self.kv_layout.hash_key()}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
         if self.tiers is not None:

@@ -30,7 +30,7 @@ def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
     `fp8_full_precision` the layers FP8 leaves alone (None: its default); `int4_kernel` the
     W4A16 matmul."""
     scheme = resolve_quantization(quantization, checkpoint.path, fp8_full_precision,
-                                  int4_kernel)
+                                  int4_kernel, checkpoint.native_quantization())
     with torch.device(device):
         model = MODEL_CLASSES[cfg.family](cfg, dtype, tp, max_positions)
         if scheme is not None:  # before loading: quantised layers load into their own layout

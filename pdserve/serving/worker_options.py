@@ -148,8 +148,9 @@ def add_engine_args(p: argparse.ArgumentParser, defaults: bool = True) -> None:
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                    default=d(True), help="reuse the KV blocks of identical prompt prefixes")
     p.add_argument("--quantization", "-q", default=None,
-                   help="weight quantisation: fp8 (E4M3 weights, per-token activations) or int4 "
-                        "(4-bit weights, W4A16)")
+                   help="weight quantisation: fp8 (E4M3 weights, per-token activations), int4 "
+                        "(4-bit weights, W4A16), or none (dense: a 4-bit GGUF, which runs as "
+                        "int4 by default, dequantised)")
     p.add_argument("--kv-cache-dtype", default=d("auto"), choices=("auto", "fp8"),
                    help="KV cache storage: auto (the model's dtype) or fp8")
     p.add_argument("--speculative-config", default=None,

@@ -62,6 +62,12 @@ class Checkpoint(ABC):
     @abstractmethod
     def weight_shapes(self) -> dict[str, list[int]]: ...
 
+    def native_quantization(self) -> str | None:
+        """The weight scheme the file's own blocks are ("int4": every linear weight a 4-bit
+        block format), run as stored unless `quantization="none"`; None: dense weights (or a
+        scheme that config.json's quantization_config names)."""
+        return None
+
     @abstractmethod
     def _read_model_config(self) -> ModelConfig: ...
 

@@ -23,6 +23,7 @@ import torch
 
 from pdserve.engine.checkpoint.base import Checkpoint
 from pdserve.engine.checkpoint.gguf_config import model_config_from_gguf
+from pdserve.engine.checkpoint.gguf_int4 import INT4_TYPES
 from pdserve.engine.checkpoint.gguf_tokenizer import GGUFVocab, build_tokenizer
 from pdserve.engine.checkpoint.gguf_weights import (
     CONFIG_TENSORS,
@@ -151,6 +152,13 @@ class GGUFCheckpoint(Checkpoint):
             yield hf_name(name), load_tensor(
                 t.data, t.tensor_type.name, self._shape(t), linear=is_linear(name),
                 prefer_int4=prefer_int4, permute_heads=heads)
+
+    def native_quantization(self) -> str | None:
+        # A Q4_0 / Q4_1 / Q4_K file is a 4-bit checkpoint, as llama.cpp and vLLM serve it; a
+        # file mixing in other types (Q5_K, Q6_K, Q8_0 layers) keeps them dense instead of
+        # re-quantising them to 4 bits, so it runs dense unless int4 is asked for.
+        kinds = {t.tensor_type.name for name, t in self.tensors.items() if is_linear(name)}
+        return "int4" if kinds and kinds <= INT4_TYPES else None
 
     def weight_shapes(self) -> dict[str, list[int]]:
         return {hf_name(n): list(self._shape(t)) for n, t in self.tensors.items()

@@ -5,6 +5,8 @@
     "gptq", "awq"                                    Int4Scheme(checkpoint=HfInt4Format)
     (none) + requested "fp8" / "int4"                quantised at load from the fp weights
                                                      (fp8: minus its full_precision layers)
+    a GGUF of 4-bit blocks (native "int4")           Int4Scheme: the blocks as stored
+    requested "none"                                 dense weights (a GGUF's blocks dequantised)
 
 A request that contradicts the checkpoint (fp8 for a GPTQ file, int4 for an FP8 one) is
 refused; any other quant_method is refused by name.
@@ -21,7 +23,7 @@ from pdserve.engine.quant.fp8_scheme import Fp8Scheme
 from pdserve.engine.quant.int4_scheme import Int4Scheme
 from pdserve.engine.quant.scheme import QuantScheme
 
-REQUESTABLE = (None, "fp8", "int4")
+REQUESTABLE = (None, "none", "fp8", "int4")
 _AT_LOAD = {"fp8": Fp8Scheme, "int4": Int4Scheme}
 _FROM_CHECKPOINT = {"fp8": Fp8Scheme.from_config, "gptq": Int4Scheme.from_config,
                     "awq": Int4Scheme.from_config}
@@ -29,11 +31,19 @@ _FROM_CHECKPOINT = {"fp8": Fp8Scheme.from_config, "gptq": Int4Scheme.from_config
 
 def resolve_quantization(requested: str | None, model_dir: str | Path,
                          fp8_full_precision: Sequence[str] | None = None,
-                         int4_kernel: str = "auto") -> QuantScheme | None:
+                         int4_kernel: str = "auto", native: str | None = None
+                         ) -> QuantScheme | None:
     """The scheme to run: the checkpoint's own, else the requested one, else None.
     `fp8_full_precision` (None: the scheme's default) applies to "fp8" quantised at load;
-    `int4_kernel` to any int4 scheme."""
-    scheme = _resolve(requested, Path(model_dir), fp8_full_precision)
+    `int4_kernel` to any int4 scheme; `native` is what the file's own blocks are
+    (`Checkpoint.native_quantization`), run as stored when nothing else is requested."""
+    if requested is None and native == "int4":
+        requested = "int4"
+    scheme = _resolve(None if requested == "none" else requested, Path(model_dir),
+                      fp8_full_precision)
+    if requested == "none" and scheme is not None:
+        raise ValueError(f"quantization='none' was requested but the checkpoint is stored as "
+                         f"{scheme.key}: it has no dense weights to load")
     if isinstance(scheme, Int4Scheme) and int4_kernel != "auto":
         scheme = dataclasses.replace(scheme, kernel=int4_kernel)
     return scheme
@@ -42,7 +52,8 @@ def resolve_quantization(requested: str | None, model_dir: str | Path,
 def _resolve(requested: str | None, model_dir: Path,
              fp8_full_precision: Sequence[str] | None) -> QuantScheme | None:
     if requested not in REQUESTABLE:
-        raise ValueError(f"quantization must be None, 'fp8' or 'int4', got {requested!r}")
+        raise ValueError(f"quantization must be None, 'none', 'fp8' or 'int4', got "
+                         f"{requested!r}")
     if fp8_full_precision is not None and requested != "fp8":
         raise ValueError("fp8_full_precision_layers needs quantization='fp8'")
     qc = _checkpoint_quant_config(Path(model_dir))
