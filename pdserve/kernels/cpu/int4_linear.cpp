@@ -71,8 +71,9 @@ inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
 }
 
 // Scalar dequantisation of one block: out[0..31] = q * scale + offset, per group.
-inline void dequant_block_scalar(const uint8_t* p, const float* scale, const float* offset,
-                                 int64_t k0, int gshift, float* out) {
+[[maybe_unused]] inline void dequant_block_scalar(const uint8_t* p, const float* scale,
+                                                  const float* offset, int64_t k0, int gshift,
+                                                  float* out) {
   for (int j = 0; j < 16; ++j) {
     const int64_t lo = k0 + j, hi = k0 + 16 + j;
     const float slo = scale[lo >> gshift], olo = offset[lo >> gshift];
@@ -81,18 +82,6 @@ inline void dequant_block_scalar(const uint8_t* p, const float* scale, const flo
     out[j] = static_cast<float>(p[j] & 0xF) * slo + olo;
     out[16 + j] = static_cast<float>(p[j] >> 4) * shi + ohi;
   }
-}
-
-// One weight row (K / 32 blocks) dequantised to fp32: the prefill path and the tests' oracle.
-// `buf` holds 2 * K / g floats.
-void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset, int64_t k,
-                 int gshift, float* buf, float* out) {
-  const int64_t groups = k >> gshift;
-  halves_to_floats(scale, groups, buf);
-  halves_to_floats(offset, groups, buf + groups);
-  for (int64_t k0 = 0; k0 < k; k0 += kBlock)
-    dequant_block_scalar(p + (k0 / kBlock) * kBlockStride, buf, buf + groups, k0, gshift,
-                         out + k0);
 }
 
 // The decode kernels take each group's offset out of the sum:
@@ -110,6 +99,7 @@ constexpr int kVecOffset[kVecs] = {0, 16};
 using vec = __m512;
 inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline vec vset1(float v) { return _mm512_set1_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
@@ -126,6 +116,7 @@ constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
 using vec = __m256;
 inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline vec vset1(float v) { return _mm256_set1_ps(v); }
 inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
@@ -145,6 +136,30 @@ inline void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 1
   }
 }
 #endif
+
+// One weight row (K / 32 blocks) dequantised to fp32: the prefill path and the tests' oracle.
+// q * scale, then + offset: the scalar and vector forms round alike. `buf` holds 2 * K / g
+// floats.
+void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset, int64_t k,
+                 int gshift, float* buf, float* out) {
+  const int64_t groups = k >> gshift;
+  halves_to_floats(scale, groups, buf);
+  halves_to_floats(offset, groups, buf + groups);
+  const float* sc = buf;
+  const float* of = buf + groups;
+  for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
+#if defined(PDSERVE_INT4_VECTORS)
+    vec q[kVecs];
+    widen_block(p, q);
+    for (int v = 0; v < kVecs; ++v) {
+      const int64_t g = (k0 + kVecOffset[v]) >> gshift;
+      vstore(out + k0 + kVecOffset[v], vadd(vmul(q[v], vset1(sc[g])), vset1(of[g])));
+    }
+#else
+    dequant_block_scalar(p, sc, of, k0, gshift, out + k0);
+#endif
+  }
+}
 
 inline float offset_term(const float* offset, const float* xsum, int64_t groups) {
   float s[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of adds, not one
