@@ -83,6 +83,8 @@ inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_
     vec acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vzero();
     for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
+      // The rows stream from memory (the head is read whole once per step): fetch ahead.
+      _mm_prefetch(reinterpret_cast<const char*>(w + g0 + 2048), _MM_HINT_T0);
       const vec sv = vbroadcast(scale[gi]);
       for (int64_t i = g0; i < g0 + g; i += kLanes) {
         const vec wv = vmul(vwiden(w + i), sv);
