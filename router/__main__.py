@@ -109,6 +109,9 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
     metrics = RouterMetrics(model_name=model_id)
     metrics.registry.register(ClusterCollector(
         model_id, lambda: cluster_state(metrics, prefill, decode)))
+    metrics.export_pools(lambda: [(w.role, w.address, w.polls)
+                                  for pool in (prefill, decode) for w in pool.workers],
+                         decode.prefix.num_blocks)
     rules = FinishRules(checkpoint.eos_token_ids, max_len)
     frontend = Frontend(cfg, tokenizer, prefill, decode, metrics, rules, limits)
     service = PDServeService(frontend, max_len, model_id,

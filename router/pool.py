@@ -84,6 +84,7 @@ class WorkerHandle:
     needs_snapshot: bool = True  # resync its KV index entries on the next poll
     refuses_credentials: bool = False  # its last poll got UNAUTHENTICATED (logged once)
     draining: bool = False  # it said so (stats) or refused a call for it; polls clear it
+    polls: int = 0  # answered stats polls (their KV events applied): exported, tests wait on it
     _watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
 
     def set_healthy(self, healthy: bool) -> None:
@@ -318,6 +319,7 @@ class WorkerPool:
         w.draining = stats.draining
         if take:
             self._apply_kv_events(w, stats.kv_events, snapshot)
+        w.polls += 1
         if not w.healthy:
             log.info("%s worker %s is healthy", self.role, w.address)
         w.set_healthy(True)

@@ -15,11 +15,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdserve.observability.logs import request_log
@@ -98,12 +98,41 @@ class RouterMetrics:
         scrape; call once per registry."""
         self.registry.register(FlowCounterCollector(counters))
 
+    def export_pools(self, workers: Callable[[], Iterable[tuple[str, str, int]]],
+                     index_blocks: Callable[[str], int]) -> None:
+        """Export per-worker polls and index blocks (`PoolCollector`); call once."""
+        self.registry.register(PoolCollector(workers, index_blocks))
+
     def trace(self, request_id: str, prompt_tokens: int, log: logging.Logger,
               clock: Callable[[], float] = time.perf_counter, n: int = 1,
               max_tokens: int = 0) -> RequestTrace:
         """Start observing one request (`n`, `max_tokens`: its parameters, for vLLM's
         request_params histograms)."""
         return RequestTrace(self, request_id, prompt_tokens, log, clock, n, max_tokens)
+
+
+class PoolCollector(Collector):
+    """Per worker, read on each scrape: stats polls answered, and the KV index's blocks for it
+    (what KV-aware routing knows). A client that needs the router to have seen a worker's
+    blocks waits for that worker's next poll."""
+
+    def __init__(self, workers: Callable[[], Iterable[tuple[str, str, int]]],
+                 index_blocks: Callable[[str], int]) -> None:
+        self.workers = workers  # (role, address, polls)
+        self.index_blocks = index_blocks
+
+    def collect(self) -> Iterator[Metric]:
+        polls = CounterMetricFamily("pdserve_router_worker_polls",
+                                    "Stats polls a worker has answered (KV events applied).",
+                                    labels=["role", "worker"])
+        blocks = GaugeMetricFamily("pdserve_router_kv_index_blocks",
+                                   "Distinct KV blocks the router's index holds for a worker.",
+                                   labels=["role", "worker"])
+        for role, address, n in self.workers():
+            polls.add_metric([role, address], float(n))
+            blocks.add_metric([role, address], float(self.index_blocks(address)))
+        yield polls
+        yield blocks
 
 
 class FlowCounterCollector(Collector):

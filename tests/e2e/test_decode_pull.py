@@ -11,7 +11,13 @@ from pdserve.client import Client
 from pdserve.engine import LLM, SamplingParams
 from pdserve.proto import pb, worker_pb, worker_pb_grpc
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle, worker_channel, worker_stats
+from tests.helpers.cluster import (
+    start_cluster,
+    wait_idle,
+    wait_polled,
+    worker_channel,
+    worker_stats,
+)
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -45,7 +51,7 @@ def test_second_turn_on_another_decode_worker_pulls_its_prefix(cluster, tiny_lla
     turn1 = random_prompts([192], VOCAB, seed=61)[0]  # 12 full blocks
     with Client(cluster.address) as client:
         out1 = client.generate(turn1, max_tokens=6, temperature=0.0, ignore_eos=True)
-        time.sleep(2.5)  # the router learns each worker's blocks from its next stats poll
+        wait_polled(cluster)  # the router learns the workers' blocks from its next poll
         before = _counters(cluster)
         turn2 = turn1 + out1.token_ids + random_prompts([12], VOCAB, seed=62)[0]
         out2 = client.generate(turn2, max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pdserve.client import Client
 from pdserve.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import start_cluster, wait_idle, wait_polled, worker_stats
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -26,7 +24,7 @@ def test_second_turn_lands_on_its_prefix_and_computes_only_new_tokens(tiny_llama
         turn1 = random_prompts([200], VOCAB, seed=51)[0]
         with Client(cluster.address) as client:
             out1 = client.generate(turn1, max_tokens=8, temperature=0.0, ignore_eos=True)
-            time.sleep(2.5)  # the router learns each worker's blocks from its next stats poll
+            wait_polled(cluster)  # the router learns the workers' blocks from its next poll
             before_p, before_d = _counters(cluster, "prefill"), _counters(cluster, "decode")
             turn2 = turn1 + out1.token_ids + random_prompts([40], VOCAB, seed=52)[0]
             out2 = client.generate(turn2, max_tokens=8, temperature=0.0, ignore_eos=True)

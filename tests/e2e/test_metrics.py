@@ -72,6 +72,10 @@ def test_metrics_move_and_logs_carry_request_ids(tiny_llama, tmp_path):
         # The flow's counters are exported (no tiers, one decode worker: nothing to hint/pull).
         assert ("pdserve_router_prefetch_hints_total", frozenset()) in router
         assert total(router, "pdserve_router_kv_pulls_routed_total") == 0
+        decode = next(c for c in cluster.children if c.name == "decode-0").info["address"]
+        assert total(router, "pdserve_router_worker_polls_total", worker=decode) > 0
+        assert ("pdserve_router_kv_index_blocks",
+                frozenset({("role", "decode"), ("worker", decode)})) in router
         for name in workers:
             assert moved(after[name], before[name], "pdserve_engine_steps_total") > 0, name
             assert total(after[name], "pdserve_engine_up") == 1

@@ -5,8 +5,6 @@ block pool returns to idle."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from pdserve.client import Client
@@ -14,7 +12,13 @@ from pdserve.engine import LLM, SamplingParams
 from tests.e2e.test_metrics import total
 from tests.e2e.test_tiered_cluster import _direct, _metrics, _moved
 from tests.helpers.checkpoints import VOCAB
-from tests.helpers.cluster import eventually, start_cluster, wait_idle, worker_stats
+from tests.helpers.cluster import (
+    eventually,
+    start_cluster,
+    wait_idle,
+    wait_polled,
+    worker_stats,
+)
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -82,7 +86,7 @@ def test_a_latent_prefix_on_ssd_is_pulled_by_another_decode_worker(cluster, engi
             return total(m, "pdserve_kv_tier_blocks", tier="ssd", state="used") >= 4
 
         eventually(on_ssd, "turn 1's latent blocks on SSD")
-        time.sleep(2.5)  # the router learns the workers' blocks from its next stats poll
+        wait_polled(cluster)  # the router learns the workers' blocks from its next poll
         before = _metrics(cluster)
         turn2 = turn1 + out1.token_ids + random_prompts([12], VOCAB, seed=93)[0]
         out2 = client.generate(turn2, max_tokens=6, temperature=0.0, ignore_eos=True)

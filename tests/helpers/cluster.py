@@ -117,3 +117,19 @@ def eventually(check, what: str, timeout_s: float = 20.0, period_s: float = 0.1)
         if time.monotonic() > end:
             raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
         time.sleep(period_s)
+
+
+def wait_polled(cluster, role: str = "decode", timeout_s: float = 30.0) -> None:
+    """Wait until the router has polled every `role` worker once more since this call (its KV
+    events applied: the router's index then holds what each worker held at this call)."""
+    from tests.helpers.faults import router_metrics
+
+    def polls() -> dict[str, float]:
+        return {name: v for name, v in router_metrics(cluster).items()
+                if name.startswith("pdserve_router_worker_polls_total{")
+                and f'role="{role}"' in name}
+
+    before = polls()
+    assert before, f"the router reports no {role} workers"
+    eventually(lambda: all(polls().get(k, 0) > v for k, v in before.items()),
+               f"every {role} worker polled again", timeout_s)
