@@ -17,7 +17,7 @@
   independent of the batch. Used where pdserve's kernel did not build.
 - `triton`: `pdserve.kernels.w4a16` (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests).
 - `reference`: dequantise the nibbles and multiply in fp32 each call. Slow; used where neither
-  kernel takes the shape (CPU groups of 16) and as the oracle.
+  CPU kernel takes the shape (K not a multiple of 32 and groups of 16) and as the oracle.
 
 Every backend keeps the weight at 4 bits per value plus one scale and one offset per group.
 """
