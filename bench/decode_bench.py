@@ -83,22 +83,13 @@ def run_ours(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]]]:
 
 
 def weight_bytes(llm: LLM) -> int:
-    """Bytes of weights one decode step reads (shared tensors once)."""
-    if llm.engine.config.quantization != "none":  # packed layers and the LM head's copy
-        from bench.int4_bench import footprint
+    """Bytes of weights one decode step reads: the linear layers as stored (dense or packed)
+    and the LM head's matmul weight (a tied embedding is read whole as the head; an untied
+    one a row per token, left out, as are the norms' 0.1 MB)."""
+    from bench.int4_bench import footprint
 
-        f = footprint(llm)
-        return int((f["linear_MB"] + f["lm_head_MB"]) * 1e6)
-    model = llm.engine.runner.model
-    seen, total = set(), 0
-    for p in model.parameters():  # parameters() already skips the tied duplicate
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    if not model.config.tie_word_embeddings:  # an untied embedding: one row per token
-        emb = model.embed_tokens.weight
-        total -= emb.numel() * emb.element_size()
-    return total
+    f = footprint(llm)
+    return int((f["linear_MB"] + f["lm_head_MB"]) * 1e6)
 
 
 def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], dict]:

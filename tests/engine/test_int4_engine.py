@@ -7,7 +7,12 @@ import torch
 
 from pdserve.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import VOCAB, make_bigram, save_tiny
-from tests.helpers.engine import assert_idle, greedy_ids, random_prompts
+from tests.helpers.engine import (
+    assert_idle,
+    check_fp8_kv_on_top,
+    greedy_ids,
+    random_prompts,
+)
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -42,14 +47,7 @@ def test_greedy_ngram_speculation_equals_speculation_off(tiny_llama, int4_tiny, 
 
 def test_int4_weights_with_an_fp8_kv_cache(tiny_llama, int4_tiny):
     both = LLM(str(tiny_llama), num_gpu_blocks=64, quantization="int4", kv_cache_dtype="fp8")
-    assert both.engine.runner.caches[0].dtype == torch.uint8
-    prompt = random_prompts([40], VOCAB, seed=6)[0]
-    ref = int4_tiny.engine.prompt_logits(prompt)
-    got = both.engine.prompt_logits(prompt)
-    assert ((got - ref).norm() / ref.norm()).item() < 0.05
-    outs = both.generate(random_prompts([5, 33], VOCAB, seed=7), GREEDY)
-    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
-    assert_idle(both)
+    check_fp8_kv_on_top(both, int4_tiny, VOCAB, GREEDY.max_tokens)
 
 
 def test_the_block_hash_names_the_weight_scheme(tiny_llama, int4_tiny):

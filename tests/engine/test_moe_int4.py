@@ -36,7 +36,12 @@ from pdserve.engine.quant.int4_experts import Int4ExpertsMethod
 from pdserve.engine.quant.int4_quantize import quantize_int4
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, make_bigram_experts, save_tiny
-from tests.helpers.engine import assert_idle, greedy_ids, random_prompts
+from tests.helpers.engine import (
+    assert_idle,
+    check_fp8_kv_on_top,
+    greedy_ids,
+    random_prompts,
+)
 from tests.helpers.int4_checkpoints import (
     kernel_bound,
     random_int4,
@@ -277,14 +282,7 @@ def test_tp2_equals_tp1(bigram_moe, int4_moe):
 
 def test_int4_experts_with_an_fp8_kv_cache(bigram_moe, int4_moe):
     both = LLM(str(bigram_moe), num_gpu_blocks=40, quantization="int4", kv_cache_dtype="fp8")
-    assert both.engine.runner.caches[0].dtype == torch.uint8
-    prompt = random_prompts([40], VOCAB, seed=6)[0]
-    ref = int4_moe.engine.prompt_logits(prompt)
-    got = both.engine.prompt_logits(prompt)
-    assert ((got - ref).norm() / ref.norm()).item() < 0.05  # E4M3 K/V: 3 mantissa bits
-    outs = both.generate(random_prompts([5, 33], VOCAB, seed=7), GREEDY)
-    assert all(len(o.token_ids) == GREEDY.max_tokens for o in outs)
-    assert_idle(both)
+    check_fp8_kv_on_top(both, int4_moe, VOCAB, GREEDY.max_tokens)
 
 
 # -- GPTQ / AWQ MoE checkpoints ---------------------------------------------------------------

@@ -180,12 +180,9 @@ def cpu_act_dtype(model_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16
 
 
-KERNELS = INT4_KERNELS
-
-
 def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,
                       kernel: str = "auto") -> Int4Matmul:
-    """The backend for this weight on its device: `kernel` is one of `KERNELS`."""
+    """The backend for this weight on its device: `kernel` is one of `INT4_KERNELS`."""
     device = weight.qweight.device
     if kernel == "auto":
         if device.type == "cuda":
@@ -211,7 +208,7 @@ def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,
         return TritonInt4(weight)
     if kernel == "reference":
         return ReferenceInt4(weight)
-    raise ValueError(f"int4 kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    raise ValueError(f"int4 kernel must be one of {', '.join(INT4_KERNELS)}, got {kernel!r}")
 
 
 def _quant_ops():

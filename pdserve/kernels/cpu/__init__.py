@@ -62,7 +62,8 @@ def _build_spec(prefix: str = "pdserve_cpu", sources: tuple[Path, ...] = SOURCES
     isa, flags = isa_flags or _isa_flags()
     flags = ["-O3", "-fopenmp", *flags]
     digest = hashlib.sha256(" ".join(flags).encode())
-    for src in sources:
+    # The headers beside the sources (simd.h) are part of the build too.
+    for src in (*sources, *sorted(Path(__file__).parent.glob("*.h"))):
         digest.update(src.read_bytes())
     return f"{prefix}_{isa}_{digest.hexdigest()[:12]}", flags
 

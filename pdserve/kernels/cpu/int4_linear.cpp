@@ -33,10 +33,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define PDSERVE_INT4_VECTORS 1
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -53,7 +50,7 @@ inline const uint8_t* row_blocks(const uint8_t* packed, int64_t row, int64_t k) 
 }
 
 inline float half_to_float(uint16_t h) {
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
   return _cvtsh_ss(h);
 #else
   return c10::detail::fp16_ieee_to_fp32_value(h);
@@ -63,7 +60,7 @@ inline float half_to_float(uint16_t h) {
 // A row's fp16 scales or offsets as fp32 (the kernels broadcast them from memory).
 inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
   int64_t i = 0;
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
   for (; i + 8 <= n; i += 8)
     _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
 #endif
@@ -93,41 +90,20 @@ inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
 // activation row), then two FMAs per activation row. Each row keeps two accumulators (even
 // and odd vectors of a block), so consecutive FMAs do not wait on each other; the same
 // operations in the same order for every tile size, so a row's sums never depend on the batch.
-#if defined(PDSERVE_INT4_VECTORS) && defined(__AVX512F__)
+#if defined(PDSERVE_SIMD)
+using namespace pdserve_simd;  // NOLINT: the kernel's own vector vocabulary
+#endif
+#if defined(PDSERVE_SIMD) && defined(__AVX512F__)
 constexpr int kVecs = 2;                  // vectors of 16 inputs per block
-constexpr int64_t kLanes = 16;
 constexpr int kVecOffset[kVecs] = {0, 16};
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
-inline vec vset1(float v) { return _mm512_set1_ps(v); }
-inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
 inline void widen_block(const uint8_t* p, vec* q) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
   q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
 }
-#elif defined(PDSERVE_INT4_VECTORS)
+#elif defined(PDSERVE_SIMD)
 constexpr int kVecs = 4;                  // vectors of 8 inputs per block
-constexpr int64_t kLanes = 8;
 constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
-inline vec vset1(float v) { return _mm256_set1_ps(v); }
-inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(vec v) {
-  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 sh = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(sh, _mm_shuffle_ps(sh, sh, 1)));
-}
 inline void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 16-23; 8-15: 8-15, 24-31
   const __m256i mask = _mm256_set1_epi32(0xF);
   for (int half = 0; half < 2; ++half) {
@@ -150,7 +126,7 @@ void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset
   const float* sc = buf;
   const float* of = buf + groups;
   for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
     vec q[kVecs];
     widen_block(p, q);
     for (int v = 0; v < kVecs; ++v) {
@@ -168,7 +144,7 @@ void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset
 inline float offset_term(const float* offset, const float* xsum, int64_t groups) {
   float s = 0.f;
   int64_t g = 0;
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
   vec acc = vzero();
   for (; g + kLanes <= groups; g += kLanes) acc = vfma(vload(offset + g), vload(xsum + g), acc);
   s = vsum(acc);
@@ -177,7 +153,7 @@ inline float offset_term(const float* offset, const float* xsum, int64_t groups)
   return s;
 }
 
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
 // Accumulator indices are compile-time constants throughout (a runtime index would keep the
 // accumulators on the stack, a store and reload per FMA).
 template <int R>
@@ -315,7 +291,7 @@ void gemv(const Int4Args& a) {
         halves_to_floats(a.offset + (row0 + i) * a.groups, a.groups,
                          so.data() + i * 2 * a.groups + a.groups);
       }
-#if defined(PDSERVE_INT4_VECTORS)
+#if defined(PDSERVE_SIMD)
       if (a.m == 1 && a.gshift == 5 && rows_here == kQuad) {
         dot_rows_m1(row_blocks(a.packed, row0, a.k), so.data(), a.groups, xsum.data(), a.x,
                     a.k, out);

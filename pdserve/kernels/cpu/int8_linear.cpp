@@ -17,9 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
@@ -28,36 +26,19 @@ constexpr int64_t kRowsPerTile = 8;  // activation rows accumulated at once per 
 // The dot products of one int8 weight row with R activation rows (R fixed at compile time so
 // the R accumulators stay in registers), the weight dequantised to fp32 once for all R. The
 // accumulation order of a row does not depend on R: batching changes no result.
+#if defined(PDSERVE_SIMD)
+using namespace pdserve_simd;  // NOLINT: the kernel's own vector vocabulary
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
-using vec = __m512;
-inline vec vzero() { return _mm512_setzero_ps(); }
-inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vec vwiden(const int8_t* w) {
+inline vec vwiden(const int8_t* w) {  // 16 int8 -> 16 floats
   return _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
 }
-inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
-inline vec vbroadcast(float s) { return _mm512_set1_ps(s); }
-inline float vsum(vec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__)
-constexpr int64_t kLanes = 8;
-using vec = __m256;
-inline vec vzero() { return _mm256_setzero_ps(); }
-inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vec vwiden(const int8_t* w) {
+#else
+inline vec vwiden(const int8_t* w) {  // 8 int8 -> 8 floats
   return _mm256_cvtepi32_ps(
       _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
-inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline vec vmul(vec a, vec b) { return _mm256_mul_ps(a, b); }
-inline vec vbroadcast(float s) { return _mm256_set1_ps(s); }
-inline float vsum(vec v) {
-  const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 sh = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  return _mm_cvtss_f32(_mm_add_ss(sh, _mm_shuffle_ps(sh, sh, 1)));
-}
+#endif
 #endif
 
 // Scalar products of one weight row: rows, widths or groups the vectors do not tile.
@@ -76,7 +57,7 @@ inline void dot_tile_scalar(const int8_t* w, const float* scale, const float* x,
 template <int R>
 inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_t k,
                      int64_t g, float* out) {
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(PDSERVE_SIMD)
   if (g % kLanes == 0) {
     // Each vector of weights lies in one group: widen, scale (the dequantised fp32 weight,
     // exactly), then one FMA per activation row.
@@ -85,7 +66,7 @@ inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_
     for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
       // The rows stream from memory (the head is read whole once per step): fetch ahead.
       _mm_prefetch(reinterpret_cast<const char*>(w + g0 + 2048), _MM_HINT_T0);
-      const vec sv = vbroadcast(scale[gi]);
+      const vec sv = vset1(scale[gi]);
       for (int64_t i = g0; i < g0 + g; i += kLanes) {
         const vec wv = vmul(vwiden(w + i), sv);
         for (int r = 0; r < R; ++r) acc[r] = vfma(wv, vload(x + r * k + i), acc[r]);
