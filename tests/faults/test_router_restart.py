@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
 
@@ -14,7 +13,7 @@ from pdserve.engine import LLM
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import eventually, start_cluster, wait_idle
 from tests.helpers.engine import greedy_ids, random_prompts
-from tests.helpers.load import greedy_request, run_load
+from tests.helpers.load import greedy_request, run_load, signal_once_streaming
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,14 +24,12 @@ def test_router_killed_mid_stream_then_restarted_serves_at_once(tiny_llama, tmp_
         prompts = random_prompts([40] * 8, VOCAB, seed=41)
         requests = [greedy_request(p, 600) for p in prompts]
 
-        async def load_then_kill():
-            task = asyncio.ensure_future(run_load(cluster.address, requests, 8, 60))
-            await asyncio.sleep(0.5)
-            killed_at = time.monotonic()
+        async def kill():
             cluster.kill(cluster.router, signal.SIGKILL)
-            return await task, killed_at
 
-        outcomes, killed_at = asyncio.run(load_then_kill())
+        # The kill lands once every request streams, not after a fixed pause.
+        outcomes, killed_at, _ = asyncio.run(signal_once_streaming(
+            cluster.address, requests, kill, 60))
         hit = [o for o in outcomes if o.in_flight_at(killed_at)]
         assert hit, "no request was in flight when the router died"
         assert {o.status for o in hit} == {"UNAVAILABLE"}

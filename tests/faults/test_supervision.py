@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 
 import pytest
 
@@ -17,7 +16,7 @@ from pdserve.supervisor import RestartPolicy
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import TEST_SECRET, eventually, wait_idle, worker_stats
 from tests.helpers.engine import greedy_ids, random_prompts
-from tests.helpers.load import greedy_request, run_load
+from tests.helpers.load import greedy_request, run_load, signal_once_streaming
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -43,15 +42,13 @@ def test_killed_processes_come_back_and_the_cluster_keeps_serving(tiny_llama, tm
                 c for c in cluster.children if c.name == name)
             address = child.info["address"]
 
-            async def load_then_kill(child=child):
-                task = asyncio.ensure_future(run_load(
-                    cluster.address, [greedy_request(p, 200) for p in PROMPTS], 4, 60))
-                await asyncio.sleep(0.5)
-                killed_at = time.monotonic()
+            async def kill(child=child):
                 child.proc.send_signal(signal.SIGKILL)
-                return await task, killed_at
 
-            outcomes, killed_at = asyncio.run(load_then_kill())
+            # The kill lands once every request streams (not after a fixed pause, which a
+            # fast enough cluster finished the load within).
+            outcomes, killed_at, _ = asyncio.run(signal_once_streaming(
+                cluster.address, [greedy_request(p, 200) for p in PROMPTS], kill, 60))
             assert any(o.in_flight_at(killed_at) for o in outcomes), name
             for o in outcomes:  # a stream cut by the kill fails cleanly; the rest are exact
                 assert o.status in ("OK", "UNAVAILABLE"), (name, o.status)
