@@ -1,15 +1,16 @@
-"""How long grpcio itself takes to refuse a message over its receive limit: a bare grpc.aio
-server with nothing of pdserve in it, so the router's huge-prompt figure
-(bench/chaos_bench.py --rows huge-prompt) can be read against what the library allows.
+"""How long a gRPC server takes to refuse a message over its receive limit, with and without
+pdserve's front (`pdserve.serving.grpc_front`), side by side in one run: an echo service
+started by `pdserve.serving.grpc_server.start_server`, grpc-core owning the port
+(`front=False`, the baseline) or the front owning it (`front=True`, the router's default).
 
     .venv/bin/python bench/grpc_refusal_bench.py [--limit-kb 230] [--repeats 8]
         [--output bench/results/grpc_refusal.json]
 
-Rows: one accepted message just under the limit (the baseline: a normal call of that size),
+Rows per server: one accepted message just under the limit (a normal call of that size),
 then messages of 1 MB, 4 MB and 50 MB over it, each sent `--repeats` times on one warm
 channel; the time from the call to its RESOURCE_EXHAUSTED as the client sees it (median, best,
-worst). A refusal that costs the same at 1 MB as at 50 MB is the library's refusal path, not
-the bytes on the wire.
+worst). A refusal that costs the same at 1 MB as at 50 MB is the server's refusal path, not
+the bytes on the wire. The client runs in this process, on the same event loop as the front.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from grpc import aio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
+from pdserve.serving.grpc_server import start_server  # noqa: E402
 
 METHOD = "/bench.Refusal/Echo"
 
@@ -35,13 +37,12 @@ async def _echo(request: bytes, context) -> bytes:
     return b"ok"
 
 
-async def measure(limit: int, repeats: int) -> list[dict]:
-    server = aio.server(options=[("grpc.max_receive_message_length", limit)])
+async def measure(limit: int, repeats: int, front: bool) -> list[dict]:
     handler = grpc.method_handlers_generic_handler(
         "bench.Refusal", {"Echo": grpc.unary_unary_rpc_method_handler(_echo)})
-    server.add_generic_rpc_handlers((handler,))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
+    server = await start_server("127.0.0.1", 0, lambda s: s.add_generic_rpc_handlers((handler,)),
+                                ["bench.Refusal"], max_receive_bytes=limit, front=front)
+    port = server.port
     sizes = [("accepted", limit - 4096)] + [(f"{mb} MB", mb << 20) for mb in (1, 4, 50)]
     rows = []
     try:
@@ -60,12 +61,21 @@ async def measure(limit: int, repeats: int) -> list[dict]:
                     except grpc.RpcError as exc:
                         codes.add(exc.code().name)
                     times.append(time.monotonic() - t0)
-                rows.append({"message": name, "bytes": size, "status": "/".join(sorted(codes)),
+                rows.append({"server": "front" if front else "grpc-core", "message": name,
+                             "bytes": size, "status": "/".join(sorted(codes)),
                              "median_ms": 1e3 * statistics.median(times),
                              "best_ms": 1e3 * min(times), "worst_ms": 1e3 * max(times)})
     finally:
         await server.stop(0)
     return rows
+
+
+async def measure_both(limit: int, repeats: int) -> list[dict]:
+    base = await measure(limit, repeats, front=False)
+    guarded = await measure(limit, repeats, front=True)
+    for b, g in zip(base, guarded, strict=True):
+        g["median_vs_grpc_core"] = g["median_ms"] / b["median_ms"]
+    return base + guarded
 
 
 def main() -> None:
@@ -75,9 +85,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=8)
     ap.add_argument("--output", default="bench/results/grpc_refusal.json")
     a = ap.parse_args()
-    rows = asyncio.run(measure(a.limit_kb * 1000, a.repeats))
-    print(f"grpcio {grpc.__version__}: a bare grpc.aio server, receive limit {a.limit_kb} KB")
-    print_table(rows, ["message", "bytes", "status", "median_ms", "best_ms", "worst_ms"])
+    rows = asyncio.run(measure_both(a.limit_kb * 1000, a.repeats))
+    print(f"grpcio {grpc.__version__}: an echo server, receive limit {a.limit_kb} KB")
+    print_table(rows, ["server", "message", "bytes", "status", "median_ms", "best_ms",
+                       "worst_ms", "median_vs_grpc_core"])
     out = write_json(a.output, {"grpcio": grpc.__version__, "args": vars(a), "rows": rows})
     print(f"wrote {out}")
 

@@ -3,7 +3,7 @@ worker's internal `Decode` RPC (local prefill, the path the router itself takes 
 prompts), in one run, alternating.
 
     python bench/router_overhead.py [--requests 40] [--prompt-tokens 24] [--max-tokens 32]
-                                    [--tls]
+                                    [--tls] [--front]
 
 Per request: TTFT and end-to-end latency on both paths, and its inter-token latency (mean
 over requests, and median: robust to a noisy neighbour).
@@ -11,7 +11,9 @@ The router's added latency is the difference of the paired medians (p50) and of 
 percentiles; its share of ITL is (ITL via router − ITL direct) / ITL direct. With `--tls`
 a second cluster runs with `--tls auto` (TLS from the client to the router, mTLS from the
 router and from this script to the decode worker); both clusters are measured in one run,
-request by request in turn, and the last row is what TLS adds to the router's cost.
+request by request in turn, and the last row is what TLS adds to the router's cost. With
+`--front` a second cluster's router runs with `--no-grpc-front` (grpc-core owning the public
+port), and the last row is what the gRPC front (`pdserve.serving.grpc_front`) adds.
 """
 
 from __future__ import annotations
@@ -96,21 +98,26 @@ def main() -> None:
     ap.add_argument("--tls", action="store_true",
                     help="also a cluster with --tls auto (mTLS to the workers, TLS to the "
                          "router), measured in the same run, alternating with plaintext")
+    ap.add_argument("--front", action="store_true",
+                    help="also a cluster whose router runs --no-grpc-front, measured in the "
+                         "same run: what the gRPC front costs")
     ap.add_argument("--output", default=None)
     a = ap.parse_args()
     output = a.output or ("bench/results/router_overhead_tls.json" if a.tls
+                          else "bench/results/router_overhead_front.json" if a.front
                           else "bench/results/router_overhead.json")
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 4000) for _ in range(a.prompt_tokens)]
                for _ in range(a.requests)]
-    modes = ["plaintext", "tls"] if a.tls else ["plaintext"]
+    modes = ["plaintext"] + (["tls"] if a.tls else []) + (["no-front"] if a.front else [])
     res = {(m, path): [] for m in modes for path in ("router", "direct")}
     with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as stack:
         paths = {}
         for m in modes:
             spec = ClusterSpec(model=str(ensure_demo_model()), port=0, num_prefill=0,
                                log_dir=f"{logs}/{m}", worker_args=("--dtype", "float32"),
-                               tls=m == "tls")
+                               tls=m == "tls",
+                               router_args=("--no-grpc-front",) if m == "no-front" else ())
             paths[m] = open_paths(stack.enter_context(LocalCluster(spec)), stack)
         for client, stub in paths.values():
             via_router(client, prompts[0], 4)
@@ -130,6 +137,9 @@ def main() -> None:
     if a.tls:
         rows.append({"mode": "tls - plaintext", "path": "router adds",
                      **{k: added["tls"][k] - added["plaintext"][k] for k in METRICS}})
+    if a.front:
+        rows.append({"mode": "plaintext - no-front", "path": "router adds",
+                     **{k: added["plaintext"][k] - added["no-front"][k] for k in METRICS}})
     print(f"\nRouter overhead, {a.requests} requests x {a.prompt_tokens}-token prompts, "
           f"{a.max_tokens} new tokens")
     print_table(rows, ["mode", "path", *METRICS])

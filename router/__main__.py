@@ -121,7 +121,10 @@ async def serve(cfg: RouterConfig, http_cfg: HttpConfig | None) -> None:
                                 lambda s: s.add_generic_rpc_handlers((service.handlers(),)),
                                 [pb.DESCRIPTOR.services_by_name["PDServe"].full_name],
                                 tls=cfg.tls, interceptors=interceptors,
-                                max_receive_bytes=limits.max_message_bytes)
+                                max_receive_bytes=limits.max_message_bytes,
+                                front=cfg.grpc_front)
+    if server.front is not None:
+        metrics.export_front_refusals(lambda: server.front.refusals)
     ready = {"role": "router", "address": f"{cfg.host}:{server.port}",
              "discovery": cfg.discover}
     metrics_server = None
@@ -173,7 +176,7 @@ async def shutdown(frontend: Frontend, server, http: OpenAIServer | None,
         log.warning("shutdown grace over: cancelling %d requests", frontend.inflight)
     if http is not None:
         await http.stop()
-    await server.server.stop(grace=0.5)
+    await server.stop(grace=0.5)
 
 
 def cluster_state(metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool
@@ -222,6 +225,9 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
                    help="comma-separated host:port list (none with --redis: discovery mode)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
+    p.add_argument("--no-grpc-front", action="store_true",
+                   help="let gRPC's own server own --port (no front refusing oversized "
+                        "messages from their length prefix: they are refused ~100 ms later)")
     p.add_argument("--served-model-name", "--model-id", dest="model_id", nargs="+",
                    default=[], metavar="NAME",
                    help="the model's name in requests and responses (more names: aliases); "
@@ -323,7 +329,7 @@ def parse(argv: list[str] | None = None) -> tuple[RouterConfig, HttpConfig | Non
         ssl_context=tls.ssl_context() if tls is not None else None, api=api)
     return RouterConfig(
         model=a.model or str(ensure_default_model()), prefill=prefill, decode=decode,
-        host=a.host, port=a.port,
+        host=a.host, port=a.port, grpc_front=not a.no_grpc_front,
         model_id=a.model_id[0] if a.model_id else "", model_aliases=tuple(a.model_id[1:]),
         chat_template=read_chat_template(a.chat_template),
         tool_call_parser=a.tool_call_parser, enable_auto_tool_choice=a.enable_auto_tool_choice,

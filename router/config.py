@@ -19,6 +19,10 @@ class RouterConfig:
     """host:port of each decode worker."""
     host: str = "127.0.0.1"
     port: int = 50051
+    grpc_front: bool = True
+    """The public gRPC port is owned by `pdserve.serving.grpc_front`, which refuses an
+    oversized message from its length prefix at once (False: grpc-core owns the port and
+    refuses it ~100 ms later; `--no-grpc-front`)."""
     model_id: str = ""
     """Name served in ListModels (default: the checkpoint's, see `Checkpoint.model_id`)."""
     model_aliases: tuple[str, ...] = ()

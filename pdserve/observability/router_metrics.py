@@ -103,6 +103,10 @@ class RouterMetrics:
         """Export per-worker polls and index blocks (`PoolCollector`); call once."""
         self.registry.register(PoolCollector(workers, index_blocks))
 
+    def export_front_refusals(self, refusals: Callable[[], int]) -> None:
+        """Export the gRPC front's count of messages refused from their length prefix."""
+        self.registry.register(FrontCollector(refusals))
+
     def trace(self, request_id: str, prompt_tokens: int, log: logging.Logger,
               clock: Callable[[], float] = time.perf_counter, n: int = 1,
               max_tokens: int = 0) -> RequestTrace:
@@ -133,6 +137,20 @@ class PoolCollector(Collector):
             blocks.add_metric([role, address], float(self.index_blocks(address)))
         yield polls
         yield blocks
+
+
+class FrontCollector(Collector):
+    """Read on each scrape: gRPC messages the front refused from their length prefix."""
+
+    def __init__(self, refusals: Callable[[], int]) -> None:
+        self.refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily("pdserve_router_grpc_prefix_refusals",
+                                  "gRPC messages over the receive limit, refused by the "
+                                  "front from their length prefix.")
+        fam.add_metric([], float(self.refusals()))
+        yield fam
 
 
 class FlowCounterCollector(Collector):

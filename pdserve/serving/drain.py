@@ -169,7 +169,7 @@ async def drain(server: RunningServer, gate: DrainGate, link: IndexLink | None,
         await asyncio.sleep(config.poll_s)
     left, finished = gate.open, not (gate.open or busy())
     gate.advance(DrainState.STOPPED)
-    await server.server.stop(grace=LAST_CALLS_S if finished else 0)
+    await server.stop(grace=LAST_CALLS_S if finished else 0)
     log.info("drained in %.1fs%s", time.monotonic() - start,
              "" if finished else f" (drain timeout: {left} call(s) and background work cut)")
     return finished

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pdserve.proto import pb, pb_grpc
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import start_cluster, wait_idle
+from tests.helpers.faults import router_metrics
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -94,8 +95,11 @@ def test_a_50mb_prompt_is_refused_while_health_checks_and_other_requests_go_on(c
                       for _ in range(5)]
             return await big, checks, await status(small)
 
+    before = router_metrics(cluster).get("pdserve_router_grpc_prefix_refusals_total", 0)
     big, checks, small_status = asyncio.run(main())
     assert big == grpc.StatusCode.RESOURCE_EXHAUSTED  # over the receive limit: never read
+    refused = router_metrics(cluster)["pdserve_router_grpc_prefix_refusals_total"]
+    assert refused == before + 1  # by the front, from its length prefix
     assert all(c.status == health_pb2.HealthCheckResponse.SERVING for c in checks)
     assert small_status == grpc.StatusCode.OK
     over_bound = pb.GenerateRequest(text="x" * (1024 * 64))  # under the limit, over the bound
