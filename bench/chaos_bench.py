@@ -460,6 +460,7 @@ def engine_outputs(model: Path, prompts, max_tokens: int) -> list[list[int]]:
 def main() -> None:
     if sys.argv[1:2] == ["--huge-grpc-sender"]:
         huge_sender(sys.argv[2], int(sys.argv[3]))
+        return
     elif sys.argv[1:2] == ["--huge-http-sender"]:
         huge_http_sender(sys.argv[2], int(sys.argv[3]))
         return

@@ -1,10 +1,10 @@
 """Request migration, measured: what a dead or stopped worker costs clients that never retry.
 
     python bench/migration_bench.py [--requests 200] [--concurrency 8] [--max-tokens 16]
-                                    [--stop-s 20] [--only decode_kill,...]
+                                    [--stop-s 20] [--only decode_kill,...] [--model DIR]
 
-Every scenario starts a fresh cluster of real processes (a tiny random Llama, float32, one
-thread per worker, the router's default heartbeat: polled every 1 s, out after 3 s silent)
+Every scenario starts a fresh cluster of real processes (a tiny random Llama, float32, or
+the checkpoint `--model` names, as its engine serves it; one thread per worker, the router's default heartbeat: polled every 1 s, out after 3 s silent)
 and sends `--requests` streaming `Generate` calls over plain gRPC, `--concurrency` at a time,
 no client retries. Prompts are 40-300 random tokens (all go through a prefill worker), half
 greedy, half seeded sampling with penalties; every output is compared with the
@@ -87,7 +87,8 @@ def scenario(name: str, model: Path, jobs: list[Job], expected: list[list[int]],
              a: argparse.Namespace, tmp: Path) -> dict:
     prefill, decode, fault = SCENARIOS[name]
     spec = ClusterSpec(model=str(model), port=0, num_prefill=prefill, num_decode=decode,
-                       threads_per_worker=1, worker_args=("--dtype", "float32"),
+                       threads_per_worker=1,
+                       worker_args=() if a.model else ("--dtype", "float32"),
                        log_dir=str(tmp / name), env={"OMP_NUM_THREADS": "1"})
     with LocalCluster(spec) as cluster:
         asyncio.run(run_jobs(cluster.address, jobs[:4], concurrency=4))  # open every pair
@@ -129,13 +130,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--stop-s", type=float, default=20.0)
     ap.add_argument("--only", default=",".join(SCENARIOS))
+    ap.add_argument("--model", default=None,
+                    help="checkpoint dir (default: a tiny random Llama, float32)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" /
                                          "migration_bench.json"))
     a = ap.parse_args()
     names = [n for n in a.only.split(",") if n]
     with tempfile.TemporaryDirectory() as tmp_dir:
         tmp = Path(tmp_dir)
-        model = save_tiny(tmp / "model", "llama", attention_bias=True)
+        model = (Path(a.model) if a.model
+                 else save_tiny(tmp / "model", "llama", attention_bias=True))
         lengths = [40 + (37 * i) % 261 for i in range(a.requests)]
         jobs = mixed_jobs(random_prompts(lengths, VOCAB, seed=7), a.max_tokens)
         expected = engine_outputs(model, jobs)
