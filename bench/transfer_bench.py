@@ -92,6 +92,7 @@ SENDER_STAGES = (
     "kv_store.transfer.sender:KVSender.send_layer",        # the caller: queue one layer
     "kv_store.transfer.sender_pair:SenderPair._send",      # the pair thread: one message
     "kv_store.transfer.nixl_path:NixlSend._take",          # waiting for a landing slot
+    "kv_store.transfer.nixl_path:NixlSend._await_credit",  # of which reading the counter
     "kv_store.transfer.nixl_agent:NixlAgent.register",
     "kv_store.transfer.nixl_agent:NixlAgent.write",        # the NIXL write itself
     "kv_store.transfer.channel:Channel.send_frame",        # headers (and inline payloads)
@@ -103,8 +104,7 @@ RECEIVER_STAGES = (
     "kv_store.transfer.channel:Channel.recv_payload",      # inline payloads
     "kv_store.transfer.receiver:KVReceiver.on_message",    # ticket, record, sink
     "__main__:CacheSink.on_layer",                         # the copy into the paged cache
-    "kv_store.transfer.nixl_path:NixlReceive.release",     # the GRANT back
-    "kv_store.transfer.channel:Channel._settle",           # waiting for a posted GRANT
+    "kv_store.transfer.nixl_path:NixlReceive.release",     # the credit counter
 )
 
 
