@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
 from bench.stage_trace import StageTrace  # noqa: E402
+from decode_worker.kv_sink import copy_blocks  # noqa: E402
 from kv_store.transfer import KVReceiver, KVSender, TransferConfig  # noqa: E402
 from kv_store.transfer.nixl_agent import NixlAgent  # noqa: E402
 from pdserve.demo_model import DemoModelConfig  # noqa: E402
@@ -69,7 +70,7 @@ class CacheSink:
         self.cache = [torch.zeros((2 * shape[0], *shape[1:])) for _ in range(layers)]
 
     def on_layer(self, request_id, layer, block_ids, kv):
-        self.cache[layer][block_ids] = kv
+        copy_blocks(self.cache[layer], block_ids, kv)  # the decode worker's own copy
 
     def on_done(self, request_id, body):
         pass
@@ -91,16 +92,19 @@ SENDER_STAGES = (
     "kv_store.transfer.sender:KVSender.send_layer",        # the caller: queue one layer
     "kv_store.transfer.sender_pair:SenderPair._send",      # the pair thread: one message
     "kv_store.transfer.nixl_path:NixlSend._take",          # waiting for a landing slot
+    "kv_store.transfer.nixl_path:NixlSend._await_credit",  # of which reading the counter
     "kv_store.transfer.nixl_agent:NixlAgent.register",
     "kv_store.transfer.nixl_agent:NixlAgent.write",        # the NIXL write itself
     "kv_store.transfer.channel:Channel.send_frame",        # headers (and inline payloads)
+    "kv_store.transfer.channel:Channel.post",              # headers not waited for
+    "kv_store.transfer.channel:Channel._settle",           # waiting for a posted header
 )
 RECEIVER_STAGES = (
     "kv_store.transfer.channel:Channel.recv_header",       # includes waiting for the sender
     "kv_store.transfer.channel:Channel.recv_payload",      # inline payloads
     "kv_store.transfer.receiver:KVReceiver.on_message",    # ticket, record, sink
     "__main__:CacheSink.on_layer",                         # the copy into the paged cache
-    "kv_store.transfer.nixl_path:NixlReceive.release",     # the GRANT back
+    "kv_store.transfer.nixl_path:NixlReceive.release",     # the credit counter
 )
 
 

@@ -1,15 +1,15 @@
 """How many ready LAYER parts one message carries: the coalescing policy of a pair's sender.
 
 Layers are streamed one by one as prefill computes them, and each message costs a round of
-thread and process wake-ups on both ends (the header, and over NIXL the write and the GRANT
-back) whatever its size. When several parts are ready at once (the end of a prefill chunk, a
+thread and process wake-ups on both ends (the header, and over NIXL the write) whatever its
+size. When several parts are ready at once (the end of a prefill chunk, a
 pull, a backlog behind a slow receiver) they go in one message (wire `BATCH`); a part that is
 alone goes alone at once, so streaming is never held back to fill a batch.
 
 Over NIXL the window is the landing slots the receiver granted the pair: a message takes at
 most half of them, so the sender writes the next message while the receiver copies the last
-one out (a pipeline two deep), and it writes only into slots the receiver handed back (a slow
-receiver holds the sender back: backpressure, nothing is overwritten).
+one out (a pipeline two deep), and it writes only into slots the receiver has counted as
+copied out (a slow receiver holds the sender back: backpressure, nothing is overwritten).
 """
 
 from __future__ import annotations

@@ -62,20 +62,21 @@ class TransferConfig:
     the address this machine uses to reach the receiver). A worker passes its `--host`, so
     nothing it opens listens on another interface."""
 
-    nixl_pool_bytes: int = 128 << 20
+    nixl_pool_bytes: int = 256 << 20
     """Receiver with a NIXL agent: bytes of its landing pool, registered once, into which
     senders write payloads before their LAYER header (`nixl_path`): full windows for four
-    pairs at the defaults."""
+    pairs at the defaults (huge pages, mapped lazily: a slot costs memory once written)."""
 
     nixl_slot_bytes: int = 4 << 20
     """Size of one landing slot; a larger payload is sent in several chunks of whole
     blocks (a single block larger than a slot travels inline over gloo)."""
 
-    nixl_slots_per_pair: int = 8
+    nixl_slots_per_pair: int = 16
     """Slots a receiver grants each NIXL pair (fewer when the pool runs low; none: that
     pair's payloads travel inline): the pair's window. A message takes at most half of it
-    (`coalesce`), so a sender writes one while the receiver copies another out; 8 lets four
-    3 MiB layers share a message (measured in `docs/perf.md`: 4 slots gave about 30% less)."""
+    (`coalesce`), so a sender writes one while the receiver copies another out; 16 lets
+    eight 3 MiB layers share a message (measured in `docs/perf.md`: 8 slots gave ~10% less
+    with the credit counter, 4 about 30% less before it)."""
 
     coalesce_max_parts: int = 8
     """Sender: most LAYER parts one message carries when several are queued at once (wire

@@ -5,7 +5,7 @@ ordered control frames over gloo, tickets, leases, the state machines of `state`
 differs from another only in its payload path, chosen when the pair opens:
 
     sender pair thread:    items ─► SendPath.send_layers(channel, items) ─► message(s)
-    sender reader thread:  GRANT ─► SendPath.on_grant(header)
+    sender reader thread:  GRANT ─► SendPath.on_grant(header)   (NIXL: once, at the start)
     receiver pair thread:  start(channel) ─► message ─► payload(channel, part) ─► handler,
                            for each LAYER part ─► release(channel, parts) ... ─► close(clean)
 
@@ -15,8 +15,8 @@ the path puts parts that are ready together into one message (`coalesce`).
 `InlineSend` / `InlineReceive` (here): the payload tensor follows its header on the pair —
 gloo for CPU tensors, NCCL for CUDA ones (`Channel`). `NixlSend` / `NixlReceive`
 (`nixl_path`): the sender writes the bytes into a slot of the receiver's registered landing
-pool with NIXL, then sends a header naming the slot; the receiver copies them out and grants
-the slot back.
+pool with NIXL, then sends a header naming the slot; the receiver copies them out and counts
+the slot released in the pair's credit counter, which the sender reads.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ The loop reads one message at a time (header, then the payload of each LAYER it 
 one, or a BATCH of them — through the pair's payload path: inline, or a slot of the NIXL
 landing pool) and hands each part to the `PairHandler` (the `KVReceiver`), so the layers of
 a pair are delivered in the order they were sent; a payload is valid only during the
-handler's call (the message's landing slots are granted back, in one GRANT, right after).
+handler's call (the message's landing slots are released, in the pair's credit counter,
+right after).
 The pair ends when the sender says CLOSE (clean), when the connection breaks, when the sender
 stays silent longer than it promised, or on a protocol error (the pair is closed).
 """
@@ -162,7 +163,7 @@ class ReceiverPair:
 
     def _deliver(self, parts: tuple[Header, ...]) -> None:
         """Hand over a message's LAYER parts one by one (a refused part's payload is still
-        read, so framing holds), then release their payloads together (one GRANT)."""
+        read, so framing holds), then release their payloads together."""
         if self._on_parts is not None:
             self._on_parts(len(parts))
         taken: list[Header] = []

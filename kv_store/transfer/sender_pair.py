@@ -9,11 +9,12 @@ Pair lifecycle::
 Messages leave in the order they were queued; an abort jumps the queue; LAYERs that are queued
 together are handed to the payload path at once, which coalesces them (`coalesce`: at most
 `coalesce_max_parts`). The send thread is the only writer of the forward direction; the
-reader thread waits on the backward direction (close requests, and the landing slots of a
-NIXL pair), so a dead receiver is noticed at once even while the pair is quiet. LAYER
-payloads go through the pair's payload path (`payload`): inline on gloo/NCCL, or NIXL writes
-into the receiver's landing pool (`nixl_path`). The pair never decides about requests: it
-tells its `PairListener` (the `KVSender`) what goes on the wire and when it is down.
+reader thread waits on the backward direction (close requests, and the one GRANT of a
+NIXL pair's landing slots), so a dead receiver is noticed at once even while the pair is
+quiet. LAYER payloads go through the pair's payload path (`payload`): inline on gloo/NCCL,
+or NIXL writes into the receiver's landing pool (`nixl_path`). The pair never decides about
+requests: it tells its `PairListener` (the `KVSender`) what goes on the wire and when it is
+down.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ One message on a pair is a frame of tensors sent in order on the same tag:
 
 A LAYER whose `slot` is set carries no payload tensor: its bytes were written into that slot
 of the receiver's NIXL landing pool before the header was sent (`nixl_path`); the receiver
-hands the slot back with a GRANT on the backward direction once it copied them out.
+publishes how many slot parts it has copied out in a credit counter of the pool, which the
+sender reads (`nixl_path`).
 
 A BATCH coalesces several LAYER messages that were ready at once into one frame: its header
 holds the LAYER headers (`parts`, each tagged under its own transfer's ticket), and the
@@ -32,7 +33,7 @@ from typing import Any
 import msgpack
 import torch
 
-VERSION = 7
+VERSION = 8
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
@@ -58,6 +59,10 @@ VERSION = 7
 #   7 — BATCH kind: several LAYER headers (`parts`) in one frame, their inline payloads
 #       following in order, so layers that are ready together cost one message (and, over
 #       NIXL, one write and one GRANT) instead of one each. A v6 peer is refused at its hello.
+#   8 — NIXL credits: a pair gets one GRANT, at its start, whose `credit` names a counter in
+#       the receiver's landing pool; the sender writes its slots in the GRANT's (ring) order
+#       and reads how many parts the receiver has released from that counter (a NIXL READ)
+#       instead of waiting for a GRANT back per message. A second GRANT is a protocol error.
 
 MAX_BODY_BYTES = 64 << 10
 """Largest DONE body: it names a token or a count, never bulk data."""
@@ -101,7 +106,8 @@ class Header:
         DONE   rid, body, lease_s, tag
         ABORT  rid, reason, tag
         CLOSE  reason
-        GRANT  slots  (receiver → sender: landing slots it may write now)
+        GRANT  slots, credit  (receiver → sender, once: the pair's landing slots, in the
+               order they are written, and where their release counter is)
         BATCH  parts  (LAYER headers; the payloads of those without a slot follow)
     """
 
@@ -123,7 +129,10 @@ class Header:
     """LAYER: the landing slot that already holds the payload (-1: it follows inline). Not
     under the ticket's tag: it says where this pair put the bytes, and the pair seals it."""
     slots: tuple[int, ...] = ()
-    """GRANT: landing slots the sender may write."""
+    """GRANT: the pair's landing slots, in the order the sender writes them (a ring)."""
+    credit: int = -1
+    """GRANT: address, in the receiver's process, of the pool's counter of this pair's slot
+    parts released (-1: no slots)."""
     parts: tuple[Header, ...] = ()
     """BATCH: its LAYER messages, in the order they were queued."""
 
@@ -177,7 +186,7 @@ def layers_of(h: Header) -> tuple[Header, ...]:
 
 def encode_header(h: Header) -> bytes:
     if h.kind is Kind.GRANT:
-        return pack({"kind": h.kind.value, "slots": list(h.slots)})
+        return pack({"kind": h.kind.value, "slots": list(h.slots), "credit": h.credit})
     if h.kind is Kind.BATCH:
         return pack({"kind": h.kind.value, "parts": [_doc(p) for p in h.parts]})
     return pack(_doc(h))
@@ -215,7 +224,11 @@ def decode_header(data: bytes) -> Header:
                 isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in slots):
             raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
                                 "non-negative ints")
-        return Header(kind, slots=slots)
+        credit = _field(doc, "credit", int)
+        if credit < -1 or (credit == -1) != (not slots):
+            raise ProtocolError(f"field 'credit' must be an address with slots, -1 without, "
+                                f"got {credit}")
+        return Header(kind, slots=slots, credit=credit)
     if kind is Kind.BATCH:
         return _decode_batch(doc)
     rid, tag = _rid_and_tag(doc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from decode_worker.kv_sink import DecodeKVSink
+from decode_worker.kv_sink import DecodeKVSink, copy_blocks
 from pdserve.serving import kv_messages
 from pdserve.serving.kv_lease import Lease
 from pdserve.serving.kv_messages import PartsDone, PrefillDone, PullDone
@@ -123,3 +123,27 @@ def test_the_ticket_book_names_the_current_expectation_only():
     assert sink.ticket("r") == b"u" * 16
     with pytest.raises(ValueError, match="ticket"):
         sink.expect("s", [5], skip=0, lease=lease(), ticket=b"")
+
+
+@pytest.mark.parametrize("ids", [[3, 4, 5, 6], [6, 1, 2, 0], [7, 5, 3, 1, 0, 2, 4, 6],
+                                 list(range(8))[::-1]])
+def test_copy_blocks_matches_indexed_assignment_for_runs_and_scattered_ids(ids):
+    src = torch.randn(len(ids), *SHAPE)
+    dst, want = torch.zeros(BLOCKS, *SHAPE), torch.zeros(BLOCKS, *SHAPE)
+    want[ids] = src
+    copy_blocks(dst, ids, src)
+    assert torch.equal(dst, want)
+
+
+def test_copy_blocks_converts_dtype_writes_head_slices_and_refuses_a_short_payload(monkeypatch):
+    import decode_worker.kv_sink as kv_sink
+    for runs in (16, 0):  # plain copies per run, and the index_copy_ fallback
+        monkeypatch.setattr(kv_sink, "_MAX_RUNS", runs)
+        dst = torch.zeros(BLOCKS, *SHAPE, dtype=torch.bfloat16)
+        src = torch.randn(3, 2, 1, 4, 3)
+        copy_blocks(dst[:, :, 1:2], [2, 3, 6], src)
+        assert torch.equal(dst[[2, 3, 6], :, 1:2], src.to(torch.bfloat16))
+        assert not dst[:, :, 0].any() and not dst[[0, 1, 4, 5, 7]].any()
+    with pytest.raises(ValueError, match="2 blocks of KV for 3 block ids"):
+        copy_blocks(dst, [1, 2, 3], torch.zeros(2, *SHAPE))
+

@@ -673,7 +673,7 @@ def test_a_backlog_behind_a_slow_receiver_goes_out_coalesced_and_lands_exactly(
         rx.close()
 
 
-def test_a_slow_receiver_holds_a_nixl_sender_back_until_it_grants_slots_back(
+def test_a_slow_receiver_holds_a_nixl_sender_back_until_it_releases_slots(
         agents, local_nixl):
     rx = gated_receiver(local_nixl, slots_per_pair=2)
     try:
@@ -689,7 +689,7 @@ def test_a_slow_receiver_holds_a_nixl_sender_back_until_it_grants_slots_back(
                                dtype="float32")
         assert out["state"] == "done" and out["layers"] == 4, out
         rx.sink.wait_for("done", "held")
-        rx.sink.assert_exact("held", 4, 2, torch.float32)  # no slot written before its GRANT
+        rx.sink.assert_exact("held", 4, 2, torch.float32)  # no slot overwritten too early
         assert rx.stats()["transfers_failed"] == 0
     finally:
         rx.close()
