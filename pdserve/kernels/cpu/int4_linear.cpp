@@ -19,10 +19,11 @@
 //
 // Decode (M <= 16): a GEMV that walks the packed weight once per tile of up to 8 activation
 // rows (four weight rows at once when M = 1), with software prefetch of the stream ahead;
-// rows are split over torch's thread pool. Larger M (prefill): each task dequantises 64
-// weight rows into a scratch matrix (q * scale, then + offset, two roundings as the fp32
-// loader does) and multiplies with at::mm, so prefill runs at GEMM speed. At M = 8 the fp32
-// FMAs are the bound (torch's bf16 dot products do twice the work per instruction there).
+// rows are split over torch's thread pool. Larger M (prefill): each task dequantises a tile
+// of 64-512 weight rows (two tasks a thread) into a scratch matrix (q * scale, then + offset,
+// two roundings as the fp32 loader does) and multiplies with at::mm, so prefill runs at GEMM
+// speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot products do twice the work
+// per instruction there).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -40,7 +41,9 @@ namespace {
 constexpr int64_t kBlock = 32;       // inputs per 16-byte block
 constexpr int64_t kTile = 8;         // activation rows per pass over a weight row
 constexpr int64_t kGemvMaxRows = 16; // above this, dequantise and call at::mm
-constexpr int64_t kGemmRows = 64;    // weight rows dequantised per at::mm task
+constexpr int64_t kGemmRowsMin = 64;   // weight rows dequantised per at::mm task: at least,
+constexpr int64_t kGemmRowsMax = 512;  // at most, and otherwise two tasks per thread
+constexpr int64_t kWideTileRows = 128;  // activation rows from which tiles grow past the least
 constexpr int64_t kQuad = 4;         // rows interleaved block by block
 constexpr int64_t kBlockStride = kQuad * 16;  // bytes from one block of a row to its next
 
@@ -313,16 +316,26 @@ void gemv(const Int4Args& a) {
   });
 }
 
+// Rows per task. Prefill-sized M: wide enough that at::mm runs near GEMM speed (64-row tiles
+// left a 256-token prefill at 0.8x of the fp32 GEMM), narrow enough that every thread gets two
+// tasks. Decode-sized M kept 64 (wider tiles measured slower there).
+int64_t gemm_rows(int64_t m, int64_t n) {
+  if (m < kWideTileRows) return kGemmRowsMin;
+  const int64_t per_task = (n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());
+  return std::clamp((per_task + 15) / 16 * 16, kGemmRowsMin, kGemmRowsMax);
+}
+
 void gemm(const Int4Args& a, const at::Tensor& x) {
-  const int64_t tasks = (a.n + kGemmRows - 1) / kGemmRows;
+  const int64_t tile = gemm_rows(a.m, a.n);
+  const int64_t tasks = (a.n + tile - 1) / tile;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     // Pool threads do not inherit the caller's inference mode: no autograd here, and the
     // result is written through raw pointers, never an in-place op on y.
     c10::InferenceMode guard;
-    at::Tensor w = at::empty({kGemmRows, a.k}, x.options());
+    at::Tensor w = at::empty({tile, a.k}, x.options());
     std::vector<float> buf(2 * a.groups);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t r0 = t * kGemmRows, rows = std::min(kGemmRows, a.n - r0);
+      const int64_t r0 = t * tile, rows = std::min(tile, a.n - r0);
       float* wp = w.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
         dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
