@@ -139,3 +139,10 @@ def test_a_busy_port_fails_loudly():
             await first.stop(None)
 
     asyncio.run(main())
+
+
+def test_the_router_serves_through_the_front_unless_told_not_to():
+    from router.__main__ import parse
+
+    assert parse(["--model", "m", "--decode", "h:1"])[0].grpc_front
+    assert not parse(["--model", "m", "--decode", "h:1", "--no-grpc-front"])[0].grpc_front
