@@ -5,8 +5,8 @@
 
 Every scenario starts a fresh cluster of real processes (a tiny random Llama, float32, or
 the checkpoint `--model` names, as its engine serves it; one thread per worker, the router's
-default heartbeat: polled every 1 s, out after 3 s silent) and sends `--requests` streaming `Generate` calls over plain gRPC, `--concurrency` at a time,
-no client retries. Prompts are 40-300 random tokens (all go through a prefill worker), half
+default heartbeat: polled every 1 s, out after 3 s silent) and sends `--requests` streaming
+`Generate` calls over plain gRPC, `--concurrency` at a time, no client retries. Prompts are 40-300 random tokens (all go through a prefill worker), half
 greedy, half seeded sampling with penalties; every output is compared with the
 single-process engine's.
 
