@@ -6,9 +6,9 @@
 Every scenario starts a fresh cluster of real processes (a tiny random Llama, float32, or
 the checkpoint `--model` names, as its engine serves it; one thread per worker, the router's
 default heartbeat: polled every 1 s, out after 3 s silent) and sends `--requests` streaming
-`Generate` calls over plain gRPC, `--concurrency` at a time, no client retries. Prompts are 40-300 random tokens (all go through a prefill worker), half
-greedy, half seeded sampling with penalties; every output is compared with the
-single-process engine's.
+`Generate` calls over plain gRPC, `--concurrency` at a time, no client retries. Prompts are
+40-300 random tokens (all go through a prefill worker), half greedy, half seeded sampling
+with penalties; every output is compared with the single-process engine's.
 
   baseline     1 prefill + 2 decode workers, no fault: the latencies to compare with
   decode_kill  the same; one decode worker SIGKILLed once 30% of the requests completed
