@@ -117,7 +117,7 @@ class Channel:
         """Send a header and the payloads that follow it (a BATCH's inline parts, in order),
         posted together and waited for once; the bytes of each payload."""
         with self._send_lock, self._closed_on_error(), self._on_device():
-            self._settle(timeout_s)
+            self._settle()
             works = self._post_header(tag, wire.encode_header(header))
             carriers = [wire.to_carrier(self._staged(p)) for p in payloads]  # alive until sent
             works += [self._group_for(c).send([c], self._peer, PAYLOAD_TAG) for c in carriers]
@@ -132,15 +132,15 @@ class Channel:
         NIXL slot, or a GRANT, need not hold up its thread for a round of wake-ups between
         the two processes (measured ~0.5-0.7 ms each)."""
         with self._send_lock, self._closed_on_error():
-            self._settle(timeout_s)
+            self._settle()
             self._posted = (self._post_header(tag, wire.encode_header(header)), timeout_s)
 
     def flush(self) -> None:
         """Wait for a posted header to be taken (`ChannelClosed` if it is not in time)."""
         with self._send_lock, self._closed_on_error():
-            self._settle(None)
+            self._settle()
 
-    def _settle(self, timeout_s: float | None) -> None:
+    def _settle(self) -> None:
         """Wait for the posted header, if any (holding the send lock): frames go out one
         after the other, so at most one is ever outstanding. Its own timeout applies."""
         works, posted_timeout = self._posted
@@ -152,7 +152,7 @@ class Channel:
     def send_raw_header(self, tag: int, data: bytes, timeout_s: float) -> None:
         """Send already-encoded header bytes (lets tests speak a foreign protocol version)."""
         with self._send_lock, self._closed_on_error():
-            self._settle(None)
+            self._settle()
             for work in self._post_header(tag, data):
                 work.wait(timedelta(seconds=timeout_s))
 

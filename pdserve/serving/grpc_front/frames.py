@@ -87,15 +87,16 @@ class FrameReader:
         self._buf += data
         preface = self._take_preface()
         frames, start, buf = [], 0, self._buf
-        while len(buf) - start >= HEADER_BYTES:
-            length = int.from_bytes(buf[start:start + 3], "big")
-            end = start + HEADER_BYTES + length
-            if len(buf) < end:
-                break
-            kind, flags = buf[start + 3], buf[start + 4]
-            stream = int.from_bytes(buf[start + 5:start + 9], "big") & 0x7FFF_FFFF
-            frames.append(Frame(kind, flags, stream, bytes(buf[start:end])))
-            start = end
+        with memoryview(buf) as view:  # one copy per frame, out of the buffer
+            while len(buf) - start >= HEADER_BYTES:
+                length = int.from_bytes(view[start:start + 3], "big")
+                end = start + HEADER_BYTES + length
+                if len(buf) < end:
+                    break
+                kind, flags = buf[start + 3], buf[start + 4]
+                stream = int.from_bytes(view[start + 5:start + 9], "big") & 0x7FFF_FFFF
+                frames.append(Frame(kind, flags, stream, bytes(view[start:end])))
+                start = end
         del buf[:start]
         return preface, frames
 
