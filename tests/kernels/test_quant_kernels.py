@@ -1,8 +1,8 @@
 """The C++ quantised matmuls of `pdserve_layers` against their dequantised weights in float64:
 `int8_linear` (the LM head's 8-bit copy) and `int4_linear` (W4A16 on the CPU). Every build
 this machine can run (AVX-512, AVX2, plain C++) gives the same products, for row counts
-around the tiles and widths around the vectors; in decode batches (M <= 16) a row's result
-does not depend on the other rows, bitwise."""
+around the tiles and widths around the vectors. A row's result does not depend on the other
+rows, bitwise: for the int8 head at any M, for int4 within M <= 16 and within 17..127."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ from pdserve.kernels.int4_pack import pack_block32
 
 # (rows of x, rows of w, inputs, group): groups of 32 and whole rows, widths that leave a
 # scalar tail after the vectors, row counts around the kernel's tile of 8.
+# Rows of x from 17 to 127 take the register-tiled path (groups a multiple of the vector):
+# row counts around its 4 or 2 activation rows and 48 weight rows per task.
 SHAPES = [(1, 64, 576, 32), (3, 37, 24, 24), (8, 50, 130, 130), (9, 200, 96, 32),
-          (17, 64, 7, 7), (2, 16, 40, 20)]
+          (17, 64, 7, 7), (2, 16, 40, 20), (17, 50, 64, 32), (32, 97, 576, 32),
+          (43, 5, 96, 48), (127, 49, 32, 16)]
 
 
 def _case(m: int, n: int, k: int, group: int, seed: int = 0):
@@ -43,7 +46,11 @@ def _check(ops) -> None:
 # row counts that leave partial quads of weight rows and partial tiles of 8 activation rows;
 # M = 1 (four weight rows at once) and M > 16 (the dequantise-and-GEMM path).
 INT4_SHAPES = [(1, 64, 576, 32), (1, 37, 96, 32), (3, 50, 128, 16), (9, 10, 256, 128),
-               (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32)]
+               (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32),
+               (32, 97, 576, 32), (45, 13, 288, 32), (127, 50, 160, 16), (128, 7, 64, 32)]
+# 17..127 rows: the panel kernel, whose rows do not depend on the batch either (but round
+# differently from the GEMV's, so the two ranges are checked apart).
+PANEL_ROWS = (17, 127)
 
 
 def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
@@ -69,6 +76,12 @@ def _check_int4(ops) -> None:
             rows = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
                               for i in range(m)])
             assert torch.equal(got, rows)
+        elif m <= PANEL_ROWS[1]:
+            # The same rows in a batch of another size (another number of panels, padding).
+            other = torch.cat([x, torch.randn(PANEL_ROWS[1] - m, k)]) if m < 64 else x[:17]
+            part = ops.int4_linear(other, packed, scale, offset, group)
+            rows = min(m, other.shape[0])
+            assert torch.equal(got[:rows], part[:rows])
 
 
 def test_int8_matmul_equals_the_dequantised_weight_and_ignores_the_batch():

@@ -34,6 +34,7 @@
 #include <cstring>
 #include <vector>
 
+#include "panel_gemm.h"
 #include "simd.h"
 
 namespace {
@@ -316,6 +317,22 @@ void gemv(const Int4Args& a) {
   });
 }
 
+#if defined(PDSERVE_SIMD)
+// Decode batches above the GEMV's 16 rows: at::mm on a dequantised 64-row tile ran at 0.4x
+// of its large-M speed there (a 32 x 64 x 576 product is all call overhead to MKL), so the
+// register-blocked panel kernel (panel_gemm.h) multiplies the same fp32 rows instead. A
+// kernel that kept the GEMV's order of summation (vector accumulators per output, a
+// reduction and the offsets' term per output) measured no faster than the GEMV at K = 576.
+void gemm_panels(const Int4Args& a) {
+  panel_gemm::matmul(a.x, a.m, a.n, a.k, a.y, [&](int64_t r0, int64_t rows, float* out) {
+    std::vector<float> buf(2 * a.groups);
+    for (int64_t r = 0; r < rows; ++r)
+      dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
+                  a.offset + (r0 + r) * a.groups, a.k, a.gshift, buf.data(), out + r * a.k);
+  });
+}
+#endif
+
 // Rows per task. Prefill-sized M: wide enough that at::mm runs near GEMM speed (64-row tiles
 // left a 256-token prefill at 0.8x of the fp32 GEMM), narrow enough that every thread gets two
 // tasks. Decode-sized M kept 64 (wider tiles measured slower there).
@@ -385,6 +402,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                    y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
   if (m <= kGemvMaxRows) {
     gemv(a);
+#if defined(PDSERVE_SIMD)
+  } else if (m < panel_gemm::kMaxRows) {
+    gemm_panels(a);
+#endif
   } else {
     gemm(a, xc);
   }

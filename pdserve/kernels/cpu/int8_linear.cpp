@@ -17,11 +17,16 @@
 #include <algorithm>
 #include <cstdint>
 
+#include <cstring>
+#include <vector>
+
 #include "simd.h"
 
 namespace {
 
 constexpr int64_t kRowsPerTile = 8;  // activation rows accumulated at once per weight row
+constexpr int64_t kGemvMaxRows = 16;  // above this (and below kTiledMaxRows), tiled()
+constexpr int64_t kTiledMaxRows = 128;
 
 // The dot products of one int8 weight row with R activation rows (R fixed at compile time so
 // the R accumulators stay in registers), the weight dequantised to fp32 once for all R. The
@@ -79,6 +84,20 @@ inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_
   dot_tile_scalar<R>(w, scale, x, k, g, out);
 }
 
+// One weight row as fp32: w * scale, the products the GEMV multiplies by x.
+inline void dequant_row(const int8_t* w, const float* scale, int64_t k, int64_t g, float* out) {
+  int64_t i = 0;
+#if defined(PDSERVE_SIMD)
+  if (g % kLanes == 0) {
+    for (int64_t gi = 0; i < k; ++gi) {
+      const vec sv = vset1(scale[gi]);
+      for (const int64_t end = i + g; i < end; i += kLanes) vstore(out + i, vmul(vwiden(w + i), sv));
+    }
+  }
+#endif
+  for (; i < k; ++i) out[i] = static_cast<float>(w[i]) * scale[i / g];
+}
+
 inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const float* x,
                      int64_t k, int64_t g, float* out) {
   switch (rows) {
@@ -92,6 +111,65 @@ inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const fl
     default: return dot_tile<8>(w, scale, x, k, g, out);
   }
 }
+
+
+#if defined(PDSERVE_SIMD)
+// Decode batches of 17+ rows (the head at batch 32 was a fifth of a step in the GEMV, which
+// loads an activation vector per FMA). Each task dequantises kTiledRows weight rows once;
+// the micro-kernel keeps kRW x kRX vector accumulators in registers, kRW + kRX loads to
+// kRW * kRX FMAs. Each output is the GEMV's one chain over the row's vectors in order and
+// the same reduction, so a row's result stays bitwise the same whatever the batch.
+#if defined(__AVX512F__)
+constexpr int kRW = 4, kRX = 4;  // 16 accumulators + 5 operands of 32 registers
+#else
+constexpr int kRW = 4, kRX = 2;  // 8 + 5 of AVX2's 16
+#endif
+constexpr int64_t kTiledRows = 48;  // weight rows dequantised per task (a multiple of kRW)
+
+inline void tile_sums(const float* w, const float* x, int64_t k, vec (&sums)[kRW][kRX]) {
+  vec acc[kRW][kRX];  // local, so they stay in registers (through `sums` they spilled)
+  for (int a = 0; a < kRW; ++a)
+    for (int b = 0; b < kRX; ++b) acc[a][b] = vzero();
+  for (int64_t i = 0; i < k; i += kLanes) {
+    vec wv[kRW];
+    for (int a = 0; a < kRW; ++a) wv[a] = vload(w + a * k + i);
+    for (int b = 0; b < kRX; ++b) {
+      const vec xv = vload(x + b * k + i);
+      for (int a = 0; a < kRW; ++a) acc[a][b] = vfma(wv[a], xv, acc[a][b]);
+    }
+  }
+  for (int a = 0; a < kRW; ++a)
+    for (int b = 0; b < kRX; ++b) sums[a][b] = acc[a][b];
+}
+
+// Requires g % kLanes == 0 (each vector of weights in one group, as the GEMV's fast path).
+void tiled(const float* x, const int8_t* w, const float* scale, int64_t m, int64_t n,
+           int64_t k, int64_t g, float* y) {
+  // Activation rows padded with zeros to a whole number of micro-tiles.
+  const int64_t mp = (m + kRX - 1) / kRX * kRX;
+  std::vector<float> xpad(mp * k, 0.f);
+  std::memcpy(xpad.data(), x, m * k * sizeof(float));
+  const int64_t groups = k / g;
+  at::parallel_for(0, (n + kTiledRows - 1) / kTiledRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(kTiledRows * k);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t r0 = t * kTiledRows, rows = std::min(kTiledRows, n - r0);
+      for (int64_t r = 0; r < rows; ++r)
+        dequant_row(w + (r0 + r) * k, scale + (r0 + r) * groups, k, g, wf.data() + r * k);
+      const int64_t padded = (rows + kRW - 1) / kRW * kRW;
+      std::fill(wf.begin() + rows * k, wf.begin() + padded * k, 0.f);
+      for (int64_t i0 = 0; i0 < rows; i0 += kRW)
+        for (int64_t j0 = 0; j0 < m; j0 += kRX) {
+          vec acc[kRW][kRX];
+          tile_sums(wf.data() + i0 * k, xpad.data() + j0 * k, k, acc);
+          for (int b = 0; b < kRX && j0 + b < m; ++b)
+            for (int a = 0; a < kRW && i0 + a < rows; ++a)
+              y[(j0 + b) * n + r0 + i0 + a] = vsum(acc[a][b]);
+        }
+    }
+  });
+}
+#endif
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && scale.dim() == 2, "int8_linear: x [M, K], "
@@ -112,6 +190,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   const int8_t* wp = wc.data_ptr<int8_t>();
   const float* sp = sc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+#if defined(PDSERVE_SIMD)
+  if (m > kGemvMaxRows && m < kTiledMaxRows && g % kLanes == 0) {
+    tiled(xp, wp, sp, m, n, k, g, yp);
+    return y;
+  }
+#endif
   // ~64 rows per task: large enough to amortise the task, small enough to balance 2+ cores.
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     float out[kRowsPerTile];
