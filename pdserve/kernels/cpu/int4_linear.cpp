@@ -19,11 +19,12 @@
 //
 // Decode (M <= 16): a GEMV that walks the packed weight once per tile of up to 8 activation
 // rows (four weight rows at once when M = 1), with software prefetch of the stream ahead;
-// rows are split over torch's thread pool. Larger M (prefill): each task dequantises a tile
-// of 64-512 weight rows (two tasks a thread) into a scratch matrix (q * scale, then + offset,
-// two roundings as the fp32 loader does) and multiplies with at::mm, so prefill runs at GEMM
-// speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot products do twice the work
-// per instruction there).
+// rows are split over torch's thread pool. Larger M: each task dequantises a tile of weight
+// rows into a scratch matrix (q * scale, then + offset, two roundings as the fp32 loader
+// does). Decode batches of 17-127 rows multiply it with the register-blocked panel kernel
+// (panel_gemm.h); prefill (128+) with at::mm on tiles of 64-512 rows (two tasks a thread),
+// so prefill runs at GEMM speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot
+// products do twice the work per instruction there).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
