@@ -42,7 +42,7 @@ namespace {
 
 constexpr int64_t kBlock = 32;       // inputs per 16-byte block
 constexpr int64_t kTile = 8;         // activation rows per pass over a weight row
-constexpr int64_t kGemvMaxRows = 16; // above this, dequantise and call at::mm
+constexpr int64_t kGemvMaxRows = 16; // above this, dequantise: panels, then at::mm
 constexpr int64_t kGemmRowsMin = 64;   // weight rows dequantised per at::mm task: at least,
 constexpr int64_t kGemmRowsMax = 512;  // at most, and otherwise two tasks per thread
 constexpr int64_t kWideTileRows = 128;  // activation rows from which tiles grow past the least
@@ -336,7 +336,8 @@ void gemm_panels(const Int4Args& a) {
 
 // Rows per task. Prefill-sized M: wide enough that at::mm runs near GEMM speed (64-row tiles
 // left a 256-token prefill at 0.8x of the fp32 GEMM), narrow enough that every thread gets two
-// tasks. Decode-sized M kept 64 (wider tiles measured slower there).
+// tasks. Decode-sized M (which reaches here only in builds without the panel kernel) kept 64
+// (wider tiles measured slower there).
 int64_t gemm_rows(int64_t m, int64_t n) {
   if (m < kWideTileRows) return kGemmRowsMin;
   const int64_t per_task = (n + 2 * at::get_num_threads() - 1) / (2 * at::get_num_threads());

@@ -84,20 +84,6 @@ inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_
   dot_tile_scalar<R>(w, scale, x, k, g, out);
 }
 
-// One weight row as fp32: w * scale, the products the GEMV multiplies by x.
-inline void dequant_row(const int8_t* w, const float* scale, int64_t k, int64_t g, float* out) {
-  int64_t i = 0;
-#if defined(PDSERVE_SIMD)
-  if (g % kLanes == 0) {
-    for (int64_t gi = 0; i < k; ++gi) {
-      const vec sv = vset1(scale[gi]);
-      for (const int64_t end = i + g; i < end; i += kLanes) vstore(out + i, vmul(vwiden(w + i), sv));
-    }
-  }
-#endif
-  for (; i < k; ++i) out[i] = static_cast<float>(w[i]) * scale[i / g];
-}
-
 inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const float* x,
                      int64_t k, int64_t g, float* out) {
   switch (rows) {
@@ -112,7 +98,6 @@ inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const fl
   }
 }
 
-
 #if defined(PDSERVE_SIMD)
 // Decode batches of 17+ rows (the head at batch 32 was a fifth of a step in the GEMV, which
 // loads an activation vector per FMA). Each task dequantises kTiledRows weight rows once;
@@ -125,6 +110,14 @@ constexpr int kRW = 4, kRX = 4;  // 16 accumulators + 5 operands of 32 registers
 constexpr int kRW = 4, kRX = 2;  // 8 + 5 of AVX2's 16
 #endif
 constexpr int64_t kTiledRows = 48;  // weight rows dequantised per task (a multiple of kRW)
+
+// One weight row as fp32, w * scale: the vectors the GEMV multiplies by x (g % kLanes == 0).
+inline void dequant_row(const int8_t* w, const float* scale, int64_t k, int64_t g, float* out) {
+  for (int64_t i = 0, gi = 0; i < k; ++gi) {
+    const vec sv = vset1(scale[gi]);
+    for (const int64_t end = i + g; i < end; i += kLanes) vstore(out + i, vmul(vwiden(w + i), sv));
+  }
+}
 
 inline void tile_sums(const float* w, const float* x, int64_t k, vec (&sums)[kRW][kRX]) {
   vec acc[kRW][kRX];  // local, so they stay in registers (through `sums` they spilled)
@@ -145,10 +138,15 @@ inline void tile_sums(const float* w, const float* x, int64_t k, vec (&sums)[kRW
 // Requires g % kLanes == 0 (each vector of weights in one group, as the GEMV's fast path).
 void tiled(const float* x, const int8_t* w, const float* scale, int64_t m, int64_t n,
            int64_t k, int64_t g, float* y) {
-  // Activation rows padded with zeros to a whole number of micro-tiles.
+  // Activation rows padded with zeros to a whole number of micro-tiles (copied only then).
   const int64_t mp = (m + kRX - 1) / kRX * kRX;
-  std::vector<float> xpad(mp * k, 0.f);
-  std::memcpy(xpad.data(), x, m * k * sizeof(float));
+  std::vector<float> xpad;
+  const float* xs = x;
+  if (mp != m) {
+    xpad.assign(mp * k, 0.f);
+    std::memcpy(xpad.data(), x, m * k * sizeof(float));
+    xs = xpad.data();
+  }
   const int64_t groups = k / g;
   at::parallel_for(0, (n + kTiledRows - 1) / kTiledRows, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(kTiledRows * k);
@@ -161,7 +159,7 @@ void tiled(const float* x, const int8_t* w, const float* scale, int64_t m, int64
       for (int64_t i0 = 0; i0 < rows; i0 += kRW)
         for (int64_t j0 = 0; j0 < m; j0 += kRX) {
           vec acc[kRW][kRX];
-          tile_sums(wf.data() + i0 * k, xpad.data() + j0 * k, k, acc);
+          tile_sums(wf.data() + i0 * k, xs + j0 * k, k, acc);
           for (int b = 0; b < kRX && j0 + b < m; ++b)
             for (int a = 0; a < kRW && i0 + a < rows; ++a)
               y[(j0 + b) * n + r0 + i0 + a] = vsum(acc[a][b]);
