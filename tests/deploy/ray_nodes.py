@@ -83,7 +83,9 @@ class RayNodes:
 
     def add(self, num_cpus: float, resources: dict[str, float] | None = None,
             num_gpus: int = 0) -> RayNode:
-        """Start one more raylet (the first is the head) and wait until the cluster sees it."""
+        """Start one more raylet (the first is the head) and wait until the cluster sees it.
+        One at a time: two raylets joining at once on a 2-core machine timed one of them
+        out (its node-info RPC ran past Ray's 30 s)."""
         index = len(self.nodes)
         resources = dict(resources or {})
         manager_port = free_port()
@@ -106,35 +108,40 @@ class RayNodes:
                                     env=self.env(), start_new_session=True)
         node = RayNode(index, proc, resources, log, manager_port)
         self.nodes.append(node)
-        self._wait_nodes(sum(1 for n in self.nodes if n.proc.poll() is None), node)
-        for attempt in range(3):
-            try:
-                ids = {port: nid for nid, port in self._query(
-                    "[[n['NodeID'], n['NodeManagerPort']] for n in ray.nodes() if n['Alive']]")}
-                break
-            except (ValueError, IndexError, subprocess.TimeoutExpired):
-                if attempt == 2:
-                    raise
-        node.node_id = ids[manager_port]
+        self._wait_joined()
         return node
 
-    def _wait_nodes(self, alive: int, node: RayNode) -> None:
+    def _wait_joined(self) -> None:
+        """Wait until every raylet still running is alive in the GCS, and record each one's
+        node id: one driver process per look (a few seconds each), not one to see the node
+        and another to learn its id."""
         end = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < end:
-            if node.proc.poll() is not None:
-                raise RuntimeError(f"ray start (node {node.index}) exited "
-                                   f"{node.proc.returncode}:\n{node.log.read_text()[-3000:]}")
-            if self.alive_nodes() >= alive:
+        while True:
+            running = [n for n in self.nodes if n.proc.poll() is None]
+            for n in self.nodes:
+                if not n.node_id and n.proc.poll() is not None:
+                    raise RuntimeError(f"ray start (node {n.index}) exited "
+                                       f"{n.proc.returncode}:\n{n.log.read_text()[-3000:]}")
+            ids = self._alive_ids()
+            if ids is not None and all(n.node_manager_port in ids for n in running):
+                for n in running:
+                    n.node_id = ids[n.node_manager_port]
                 return
+            if time.monotonic() > end:
+                late = [n for n in running if ids is None or n.node_manager_port not in ids]
+                raise RuntimeError(f"node {late[0].index} did not join:\n"
+                                   f"{late[0].log.read_text()[-3000:]}")
             time.sleep(0.5)
-        raise RuntimeError(f"node {node.index} did not join:\n{node.log.read_text()[-3000:]}")
 
-    def alive_nodes(self) -> int:
-        """How many raylets the GCS counts as alive (-1 while it does not answer)."""
+    def _alive_ids(self) -> dict[int, str] | None:
+        """{node manager port: node id} of the raylets the GCS counts as alive; None while it
+        does not answer yet (or a loaded machine timed the driver out): the caller polls."""
         try:
-            return self._query("sum(1 for n in ray.nodes() if n['Alive'])")
+            rows = self._query(
+                "[[n['NodeManagerPort'], n['NodeID']] for n in ray.nodes() if n['Alive']]")
         except (ValueError, IndexError, subprocess.TimeoutExpired):
-            return -1  # not answering yet (or a loaded machine): the caller polls again
+            return None
+        return {port: nid for port, nid in rows}
 
     def _query(self, expression: str):
         """`expression` evaluated by a driver of this cluster (in its own process), as JSON."""

@@ -66,7 +66,7 @@ def settled_status(nodes: RayNodes) -> DeploymentStatus:
         s = status(nodes)
         got.extend([s] if s is not None else [])
         return s is not None
-    eventually(answered, "`pdserve ray status` answers", timeout_s=120, period_s=2.0)
+    eventually(answered, "`pdserve ray status` answers", timeout_s=120, period_s=0.5)
     return got[-1]
 
 
@@ -112,7 +112,7 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                 failures: list[str] = []
 
                 def moved() -> bool:
-                    s = status(nodes, failures)  # a process of its own each time: poll gently
+                    s = status(nodes, failures)  # a process of its own each time: seconds a look
                     # A deployment that is gone does not come back: say so now, not in 8 min.
                     assert s is not None or "no pdserve deployment" not in failures[-1], \
                         f"the deployment is gone: {failures[-1]}\ncontroller log:\n" + \
@@ -122,7 +122,7 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
                         x.name for x in s.processes]
                 try:
                     eventually(moved, f"{victim.name} moves off the stopped node",
-                               timeout_s=480, period_s=5.0)
+                               timeout_s=480, period_s=1.0)
                 except AssertionError as exc:
                     from pdserve.deploy.cli import format_status
 
