@@ -13,6 +13,8 @@ machine's noise hits all alike; medians of the repeats, ratios within a repeat):
 - `inductor`: the same with `compile_decode="inductor"` (compiled before timing);
 - `reference`: dense fp32 with `attention_backend="torch"`, the pure-torch paged attention
   (the previous engine's path);
+- `invariant`: `default` with `batch_invariant=True` (every row through the int4 GEMV and the
+  C++ attention, whatever the batch): what the mode costs;
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
 
 Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
@@ -48,6 +50,7 @@ ENGINES = {
     "eager": DENSE,
     "inductor": {**DENSE, "compile_decode": "inductor"},
     "reference": {**DENSE, "attention_backend": "torch"},
+    "invariant": {"batch_invariant": True},
 }
 
 

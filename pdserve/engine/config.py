@@ -8,7 +8,7 @@ from typing import Any
 
 LM_HEAD_DTYPES = ("auto", "model", "bf16", "int8", "int4")
 """The LM head's precisions (`EngineConfig.lm_head_dtype`; `quant.lm_head` says what each is)."""
-INT4_KERNELS = ("auto", "cpu", "cpu-torch", "triton", "reference")
+INT4_KERNELS = ("auto", "cpu", "cpu-invariant", "cpu-torch", "triton", "reference")
 """W4A16 matmul backends (`EngineConfig.int4_kernel`; `quant.int4_kernels` says what each is)."""
 
 @dataclass(frozen=True)
@@ -65,12 +65,21 @@ class EngineConfig:
     default: int8 under int4, "model" without a scheme). A tied embedding keeps its
     full-precision rows for the lookup."""
     int4_kernel: str = "auto"
-    """Under int4, the matmul: cpu (pdserve's C++ kernel, fp32 activations), cpu-torch
+    """Under int4, the matmul: cpu (pdserve's C++ kernel, fp32 activations), cpu-invariant
+    (the same kernel's GEMV at every batch size: what `batch_invariant` runs), cpu-torch
     (torch's packed-int4 kernel, bf16 activations: faster from batch ~8, less exact), triton
     (CUDA), reference (dequantise per call), or auto (cpu, else cpu-torch where ours did not
     build; triton on CUDA)."""
     kv_cache_dtype: str = "auto"
     """auto (same as the model) or fp8 (E4M3 with per-block scales)."""
+    batch_invariant: bool = False
+    """Every token's numbers independent of what else is in the step: the same bits whatever
+    the batch, the chunking of a prompt or the order requests came in, so a seeded sampled
+    request gives the same tokens alone or under load. Every linear layer runs the int4 GEMV
+    (`int4_kernel="cpu-invariant"`) and every query row the C++ paged attention, so it needs
+    an int4 model on the CPU with an int8 or int4 LM head (the default model is one; others
+    are refused at load, naming the layer), tensor parallelism off, no speculative decoding
+    and eager decode steps. Slower: see docs/perf.md."""
     speculative_config: dict[str, Any] | None = field(default=None, hash=False)
     """vLLM-style: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
     or {"model": DRAFT_DIR, "num_speculative_tokens": k}."""
@@ -116,6 +125,8 @@ class EngineConfig:
         if self.compile_decode not in ("off", "inductor", "cuda_graphs"):
             raise ValueError("compile_decode must be 'off', 'inductor' or 'cuda_graphs', got "
                              f"{self.compile_decode!r}")
+        if self.batch_invariant:
+            _check_batch_invariant(self)
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")
@@ -175,3 +186,23 @@ def cpu_kv_cache_gb() -> float:
     if not value > 0:
         raise ValueError(f"${CPU_KV_CACHE_ENV} must be positive, got {raw!r}")
     return value
+
+
+def _check_batch_invariant(c: EngineConfig) -> None:
+    """What `batch_invariant` cannot be combined with, refused before anything loads."""
+    clashes = {
+        "int4_kernel": c.int4_kernel not in ("auto", "cpu-invariant"),
+        "quantization": c.quantization not in (None, "int4"),
+        "attention_backend": c.attention_backend not in ("auto", "cpu"),
+        "lm_head_dtype": c.lm_head_dtype not in ("auto", "int8", "int4"),
+        "tensor_parallel_size": c.tensor_parallel_size != 1,
+        "speculative_config": c.speculative_config is not None,
+        "compile_decode": c.compile_decode != "off",
+        "kv_cache_dtype": c.kv_cache_dtype != "auto",
+        "device": c.device not in ("auto", "cpu"),
+    }
+    bad = [name for name, clash in clashes.items() if clash]
+    if bad:
+        raise ValueError(f"batch_invariant=True runs int4 layers through the CPU GEMV and "
+                         f"every query row through the C++ paged attention; it cannot take "
+                         f"{', '.join(f'{b}={getattr(c, b)!r}' for b in bad)}")

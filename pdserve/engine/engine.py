@@ -24,7 +24,8 @@ import torch
 from kv_store.block_pool import BlockPool
 from kv_store.tiers.manager import TierManager, tier_stats_off
 from pdserve.block_hash import hash_extra
-from pdserve.engine.attention.backend import get_backend
+from pdserve.engine import batch_invariant
+from pdserve.engine.attention.backend import get_backend, resolve_backend_name
 from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig, cpu_kv_cache_gb
 from pdserve.engine.cuda_graphs import graph_args
@@ -83,12 +84,18 @@ class LLMEngine:
             tp = self.tp_driver.context
         tp = dataclasses.replace(tp, expert_parallel=config.enable_expert_parallel)
         self.tp = tp
+        int4_kernel = batch_invariant.INT4_KERNEL if config.batch_invariant else \
+            config.int4_kernel
         try:
+            if config.batch_invariant and self.device.type != "cpu":
+                raise ValueError(f"batch_invariant=True runs on the CPU, not {self.device}")
             model = load_model(checkpoint, self.model_config, self.dtype, self.device, tp,
                                self.max_model_len, quantization=config.quantization,
                                lm_head_dtype=config.lm_head_dtype,
                                fp8_full_precision=config.fp8_full_precision_layers,
-                               int4_kernel=config.int4_kernel)
+                               int4_kernel=int4_kernel)
+            if config.batch_invariant:
+                batch_invariant.check_model(model)
         except BaseException:
             self.close()
             raise
@@ -103,7 +110,7 @@ class LLMEngine:
                               on_event=on_block_event)
         # The hash binds a block to everything that decides its bytes, weight quantisation too.
         scheme = resolve_quantization(config.quantization, checkpoint.path,
-                                      config.fp8_full_precision_layers, config.int4_kernel,
+                                      config.fp8_full_precision_layers, int4_kernel,
                                       checkpoint.native_quantization())
         kv_key = f"{self.kv_layout.hash_key()}|w={scheme.key if scheme is not None else 'none'}"
         self.tiers = self._build_tiers(caches, on_block_event)
@@ -114,7 +121,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len), kv)
-        self.runner = ModelRunner(model, caches, get_backend(config.attention_backend, self.device),
+        self.runner = ModelRunner(model, caches, self._attention_backend(),
                                   config.block_size, self.device,
                                   self.tp_driver.step if self.tp_driver else None,
                                   compile_decode=config.compile_decode,
@@ -501,6 +508,16 @@ class LLMEngine:
         }
 
     # -- setup ---------------------------------------------------------------------------
+    def _attention_backend(self):
+        if not self.config.batch_invariant:
+            return get_backend(self.config.attention_backend, self.device)
+        if resolve_backend_name(self.config.attention_backend, self.device) != "cpu":
+            raise ValueError("batch_invariant=True needs the C++ CPU attention kernels, which "
+                             "did not build here (see the warning)")
+        from pdserve.engine.attention.cpu_backend import CpuPagedAttention
+
+        return CpuPagedAttention(every_row=True)
+
     def _auto_num_blocks(self) -> int:
         per_block = self.kv_layout.block_bytes(self.tp.size)
         if self.config.kv_cache_memory_gb is not None:

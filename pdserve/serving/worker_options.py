@@ -92,8 +92,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="the LM head's precision: auto (the quantisation's default), model, "
                         "bf16, int8 or int4")
     p.add_argument("--int4-kernel", default="auto", choices=INT4_KERNELS,
-                   help="the W4A16 matmul: auto, cpu (fp32 activations), cpu-torch (torch's, "
-                        "bf16 activations), triton (CUDA) or reference")
+                   help="the W4A16 matmul: auto, cpu (fp32 activations), cpu-invariant (its "
+                        "GEMV at every batch size), cpu-torch (torch's, bf16 activations), "
+                        "triton (CUDA) or reference")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a token's numbers independent of the batch it runs in (int4 models on "
+                        "the CPU; slower): a seeded request samples the same tokens under load")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each TP rank holds whole experts instead of a slice of "
@@ -182,7 +186,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         attention_backend=a.attention_backend, compile_decode=a.compile_decode,
         quantization=a.quantization, lm_head_dtype=a.lm_head_dtype,
-        int4_kernel=a.int4_kernel,
+        int4_kernel=a.int4_kernel, batch_invariant=a.batch_invariant,
         kv_cache_dtype=a.kv_cache_dtype, speculative_config=spec,
         model_id=a.model_id[0] if a.model_id else "",
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,

@@ -52,6 +52,17 @@ def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
     torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
 
 
+def test_every_row_mode_takes_prefill_chunks_in_the_kernel():
+    # The batch-invariant mode: long query segments (a fresh prompt, a chunk over cached
+    # context) through the kernel too, within rounding of the reference's SDPA.
+    every = CpuPagedAttention(every_row=True)
+    case = make_case([1, 20, 37], [17, 20, 60], heads=6, kv_heads=2, seed=5)
+    assert every.prepare(case.meta).backend_plan.reference_seqs == ()
+    (cache_k, out_k), (cache_r, out_r) = _both(every, case, None)
+    assert torch.equal(cache_k, cache_r)
+    torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
+
+
 # SmolLM2's 9 query / 3 KV heads over 16-token blocks: contexts shorter than, equal to and
 # across the kernel's 8-key groups and the blocks, decode rows beside speculative-verify ones.
 REAL_Q = [1, 1, 1, 1, 1, 1, 1, 1, 5, 16]

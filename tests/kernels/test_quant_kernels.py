@@ -72,10 +72,12 @@ def _check_int4(ops) -> None:
         assert got.dtype == torch.float32 and got.shape == (m, n)
         torch.testing.assert_close(got.double(), want, rtol=0,
                                    atol=2e-6 * want.abs().max().item())
+        # The row-wise op (batch-invariant mode): the GEMV's bits for every row at any M.
+        alone = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
+                           for i in range(m)])
+        assert torch.equal(ops.int4_linear_rowwise(x, packed, scale, offset, group), alone)
         if m <= 16:
-            rows = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
-                              for i in range(m)])
-            assert torch.equal(got, rows)
+            assert torch.equal(got, alone)
         elif m <= PANEL_ROWS[1]:
             # The same rows in a batch of another size (another number of panels, padding).
             more = torch.randn(PANEL_ROWS[1] - m, k, generator=torch.Generator().manual_seed(1))

@@ -36,7 +36,10 @@ class CpuStepPlan:
 class CpuPagedAttention(TorchAttention):
     name = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, every_row: bool = False) -> None:
+        """`every_row`: every query segment to the kernel, prefill chunks too (the engine's
+        batch-invariant mode: one method for every row, however its prompt was chunked)."""
+        self.every_row = every_row
         self.ops = load_ops()
         if self.ops is None:
             raise RuntimeError("the CPU attention kernels could not be built here (see the "
@@ -44,8 +47,9 @@ class CpuPagedAttention(TorchAttention):
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         qs = meta.query_start
-        short = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] <= MAX_KERNEL_QUERY]
-        long = tuple(i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > MAX_KERNEL_QUERY)
+        longest = meta.max_query_len + 1 if self.every_row else MAX_KERNEL_QUERY
+        short = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] <= longest]
+        long = tuple(i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > longest)
         plan = CpuStepPlan(torch.tensor(short, dtype=torch.int64), long)
         return replace(meta, backend_plan=plan)
 

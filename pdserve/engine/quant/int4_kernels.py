@@ -6,8 +6,12 @@
   fp32 activations, fp16 scale and offset per group, nibbles in blocks of 32 (GGUF's Q4_0 /
   Q4_1 order). On a Q4 GGUF its products are the fp32 model's up to summation order. Decode
   batches (M <= 16) go through its GEMV, whose result for a row does not depend on the other
-  rows (bitwise); prefill dequantises tiles and multiplies them with at::mm. Needs K a
-  multiple of 32.
+  rows (bitwise); 17-127 rows go through a register-blocked panel kernel and prefill
+  dequantises tiles and multiplies them with at::mm, each rounding in its own order. Needs K
+  a multiple of 32.
+- `cpu-invariant`: the same weights through the GEMV at every M
+  (`pdserve_layers::int4_linear_rowwise`): a row's result never depends on the batch or on
+  how a prompt was chunked (the engine's `batch_invariant` mode), slower from 17 rows.
 - `cpu-torch`: torch's packed-int4 CPU kernels. `_convert_weight_to_int4pack_for_cpu` packs
   the values (uint8 [N, K/2], an opaque layout), `_weight_int4pack_mm_for_cpu` multiplies with
   `scales_and_zeros` [K/g, N, 2] and dequantises `(q - 8) * scale + zero`, so zero =
@@ -85,6 +89,15 @@ class CpuInt4(Int4Matmul):
 
     def nbytes(self) -> int:
         return _bytes(self.packed, self.scale, self.offset)
+
+
+class CpuRowwiseInt4(CpuInt4):
+    name = "cpu-invariant"
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ops.int4_linear_rowwise(x.float(), self.packed, self.scale, self.offset,
+                                         self.group_size)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 class CpuPackedInt4(Int4Matmul):
@@ -196,12 +209,12 @@ def build_int4_matmul(weight: Int4Weight, model_dtype: torch.dtype,
                         "dequantises its weight at every call (slow)", *weight.shape,
                         weight.group_size)
             kernel = "reference"
-    if kernel == "cpu":
+    if kernel in ("cpu", "cpu-invariant"):
         ops = _quant_ops()
         if ops is None:
             raise ValueError("the CPU int4 kernel did not build here (see the warning); "
                              "use kernel='cpu-torch' or 'reference'")
-        return CpuInt4(weight, ops)
+        return (CpuInt4 if kernel == "cpu" else CpuRowwiseInt4)(weight, ops)
     if kernel == "cpu-torch":
         return CpuPackedInt4(weight, cpu_act_dtype(model_dtype))
     if kernel == "triton":

@@ -72,6 +72,11 @@ class Int8HeadMethod(LinearMethod):
             layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device),
                                         requires_grad=False)
 
+    @property
+    def on_kernel(self) -> bool:
+        """True when the product runs pdserve's int8 kernel (not a dense fallback)."""
+        return self._ops is not None
+
     def dequantize(self) -> torch.Tensor:
         group = self.qweight.shape[1] // self.scale.shape[1]
         return self.qweight.float() * self.scale.repeat_interleave(group, dim=1)

@@ -98,6 +98,7 @@ def _load_layer_ops(isa: str):
         return None
     torch.library.register_fake("pdserve_layers::int8_linear", _int8_linear_fake)
     torch.library.register_fake("pdserve_layers::int4_linear", _int4_linear_fake)
+    torch.library.register_fake("pdserve_layers::int4_linear_rowwise", _int4_linear_fake)
     torch.library.register_fake("pdserve_layers::rms_norm", _rms_norm_fake)
     torch.library.register_fake("pdserve_layers::add_rms_norm", _add_rms_norm_fake)
     torch.library.register_fake("pdserve_layers::rotary", _rotary_fake)

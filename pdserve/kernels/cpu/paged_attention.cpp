@@ -219,28 +219,45 @@ inline void softmax_rows_avx2(float* scores, float* total, int64_t rows, int64_t
   }
 }
 
-// out[j] = q . k_j for the n consecutive key rows k_j = k + j * d (d a multiple of 8):
-// 8 keys at a time, one FMA chain each, so the adds do not wait on each other.
+// out[0, 8) = q . k_j for 8 consecutive key rows k_j = k + j * d (d a multiple of 8): one FMA
+// chain each, so the adds do not wait on each other, and one transposing horizontal add.
+inline void score_8_keys(const float* q, const float* k, int64_t d, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+         a7 = a0;
+  for (int64_t c = 0; c < d; c += 8) {
+    const __m256 qc = _mm256_loadu_ps(q + c);
+    a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + c), a0);
+    a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + d + c), a1);
+    a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 2 * d + c), a2);
+    a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 3 * d + c), a3);
+    a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 4 * d + c), a4);
+    a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 5 * d + c), a5);
+    a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 6 * d + c), a6);
+    a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k + 7 * d + c), a7);
+  }
+  _mm256_storeu_ps(out, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+}
+
+constexpr int64_t kMaxPaddedDim = 256;  // head_dim up to which a tail of keys is padded
+
+// out[j] = q . k_j for the n consecutive key rows k_j = k + j * d, 8 keys at a time. The last
+// n % 8 are copied into a zero-padded group of 8 and scored the same way, so a key's score
+// is the same bits wherever its block ends: a prompt chunked differently, or the same key
+// scored at a later step, gives the same attention (the batch-invariant mode relies on it).
 template <int64_t D>
 inline void score_keys(const float* q, const float* k, int64_t n, int64_t dim, float* out) {
   const int64_t d = D > 0 ? D : dim;
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const float* kj = k + j * d;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
-           a7 = a0;
-    for (int64_t c = 0; c < d; c += 8) {
-      const __m256 qc = _mm256_loadu_ps(q + c);
-      a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + c), a0);
-      a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + d + c), a1);
-      a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 2 * d + c), a2);
-      a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 3 * d + c), a3);
-      a4 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 4 * d + c), a4);
-      a5 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 5 * d + c), a5);
-      a6 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 6 * d + c), a6);
-      a7 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 7 * d + c), a7);
-    }
-    _mm256_storeu_ps(out + j, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
+  for (; j + 8 <= n; j += 8) score_8_keys(q, k + j * d, d, out + j);
+  if (j == n) return;
+  if (d <= kMaxPaddedDim) {
+    float pad[8 * kMaxPaddedDim];
+    float got[8];
+    std::memcpy(pad, k + j * d, (n - j) * d * sizeof(float));
+    std::fill(pad + (n - j) * d, pad + 8 * d, 0.f);
+    score_8_keys(q, pad, d, got);
+    std::copy(got, got + (n - j), out + j);
+    return;
   }
   for (; j < n; ++j) {
     __m256 a = _mm256_setzero_ps();
