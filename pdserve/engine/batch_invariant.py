@@ -6,8 +6,9 @@ above), a dense matmul (MKL blocks by M), and attention (the C++ kernel for quer
 up to 16 tokens, SDPA over a gather for longer ones, so how a prompt was chunked mattered).
 The mode fixes one method for every row:
 
-- every linear layer through the int4 GEMV at any M (`int4_kernel="cpu-invariant"`), the LM
-  head through the int8 kernel (whose tiles keep its GEMV's order: invariant already);
+- every linear layer through the int4 panel kernel at any M (`int4_kernel="cpu-invariant"`:
+  one FMA chain per output, in order over K), the LM head through the int8 kernel (whose
+  tiles keep its GEMV's order: invariant already);
 - every query row through the C++ paged attention, prefill chunks included
   (`CpuPagedAttention(every_row=True)`): a row's scores, softmax and sum over V depend only on
   its own query and keys.
@@ -42,6 +43,6 @@ def check_model(model: torch.nn.Module) -> None:
         if isinstance(method, Int4LinearMethod) and method.kernel is not None:
             what += f" (kernel {method.kernel.name})"
         raise ValueError(f"batch_invariant=True needs every linear layer on the int4 CPU "
-                         f"GEMV and the LM head on the int8 kernel; {name} multiplies "
+                         f"kernel and the LM head on the int8 kernel; {name} multiplies "
                          f"through {what}, whose rounding depends on the batch (run an int4 "
                          "model, e.g. a Q4 GGUF, or quantization='int4')")

@@ -66,7 +66,7 @@ class EngineConfig:
     full-precision rows for the lookup."""
     int4_kernel: str = "auto"
     """Under int4, the matmul: cpu (pdserve's C++ kernel, fp32 activations), cpu-invariant
-    (the same kernel's GEMV at every batch size: what `batch_invariant` runs), cpu-torch
+    (one of its kernels at every batch size: what `batch_invariant` runs), cpu-torch
     (torch's packed-int4 kernel, bf16 activations: faster from batch ~8, less exact), triton
     (CUDA), reference (dequantise per call), or auto (cpu, else cpu-torch where ours did not
     build; triton on CUDA)."""
@@ -75,8 +75,8 @@ class EngineConfig:
     batch_invariant: bool = False
     """Every token's numbers independent of what else is in the step: the same bits whatever
     the batch, the chunking of a prompt or the order requests came in, so a seeded sampled
-    request gives the same tokens alone or under load. Every linear layer runs the int4 GEMV
-    (`int4_kernel="cpu-invariant"`) and every query row the C++ paged attention, so it needs
+    request gives the same tokens alone or under load. Every int4 layer runs one kernel at
+    any M (`int4_kernel="cpu-invariant"`) and every query row the C++ paged attention, so it needs
     an int4 model on the CPU with an int8 or int4 LM head (the default model is one; others
     are refused at load, naming the layer), tensor parallelism off, no speculative decoding
     and eager decode steps. Slower: see docs/perf.md."""

@@ -92,8 +92,8 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="the LM head's precision: auto (the quantisation's default), model, "
                         "bf16, int8 or int4")
     p.add_argument("--int4-kernel", default="auto", choices=INT4_KERNELS,
-                   help="the W4A16 matmul: auto, cpu (fp32 activations), cpu-invariant (its "
-                        "GEMV at every batch size), cpu-torch (torch's, bf16 activations), "
+                   help="the W4A16 matmul: auto, cpu (fp32 activations), cpu-invariant (one "
+                        "kernel at every batch size), cpu-torch (torch's, bf16 activations), "
                         "triton (CUDA) or reference")
     p.add_argument("--batch-invariant", action="store_true",
                    help="a token's numbers independent of the batch it runs in (int4 models on "

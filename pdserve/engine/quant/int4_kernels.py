@@ -9,9 +9,10 @@
   rows (bitwise); 17-127 rows go through a register-blocked panel kernel and prefill
   dequantises tiles and multiplies them with at::mm, each rounding in its own order. Needs K
   a multiple of 32.
-- `cpu-invariant`: the same weights through the GEMV at every M
-  (`pdserve_layers::int4_linear_rowwise`): a row's result never depends on the batch or on
-  how a prompt was chunked (the engine's `batch_invariant` mode), slower from 17 rows.
+- `cpu-invariant`: the same weights through one kernel at every M
+  (`pdserve_layers::int4_linear_rowwise`: the panel kernel, one FMA chain per output): a row's
+  result never depends on the batch or on how a prompt was chunked (the engine's
+  `batch_invariant` mode); below 17 rows it computes a whole panel of 32.
 - `cpu-torch`: torch's packed-int4 CPU kernels. `_convert_weight_to_int4pack_for_cpu` packs
   the values (uint8 [N, K/2], an opaque layout), `_weight_int4pack_mm_for_cpu` multiplies with
   `scales_and_zeros` [K/g, N, 2] and dequantises `(q - 8) * scale + zero`, so zero =

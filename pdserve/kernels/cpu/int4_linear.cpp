@@ -414,10 +414,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-// Every row through the GEMV, whatever M: a row's result is the same bits in a batch of any
-// size (the GEMV's rows do not see each other), where int4_linear switches kernels, and so
-// rounding, at 17 and 128 rows. The engine's batch-invariant mode; slower from 17 rows (2.6x
-// at a 1024-token prefill).
+// Every row through one kernel whatever M, so a row's result is the same bits in a batch of
+// any size, where int4_linear switches kernels (and so rounding) at 17 and 128 rows: the
+// engine's batch-invariant mode. The panel kernel where the build has it: one FMA chain per
+// output, near at::mm's speed at prefill sizes, but below 17 rows it computes a whole panel
+// of 32 (batch 1 pays ~8x in these matmuls). Plain builds: the GEMV, rows independent too.
 at::Tensor int4_linear_rowwise(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const at::Tensor& offset,
                                int64_t group) {
@@ -426,10 +427,16 @@ at::Tensor int4_linear_rowwise(const at::Tensor& x, const at::Tensor& packed,
   const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = sc.size(0);
   at::Tensor y = at::empty({m, n}, xc.options());
-  gemv({xc.data_ptr<float>(), pc.data_ptr<uint8_t>(),
-        reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
-        reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()), y.data_ptr<float>(), m, n,
-        k, k / group, log2_exact(group)});
+  const Int4Args a{xc.data_ptr<float>(),
+                   pc.data_ptr<uint8_t>(),
+                   reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
+                   reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()),
+                   y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
+#if defined(PDSERVE_SIMD)
+  gemm_panels(a);
+#else
+  gemv(a);
+#endif
   return y;
 }
 
