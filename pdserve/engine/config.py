@@ -203,6 +203,6 @@ def _check_batch_invariant(c: EngineConfig) -> None:
     }
     bad = [name for name, clash in clashes.items() if clash]
     if bad:
-        raise ValueError(f"batch_invariant=True runs int4 layers through the CPU GEMV and "
+        raise ValueError(f"batch_invariant=True runs int4 layers through one CPU kernel and "
                          f"every query row through the C++ paged attention; it cannot take "
                          f"{', '.join(f'{b}={getattr(c, b)!r}' for b in bad)}")

@@ -47,9 +47,11 @@ class CpuPagedAttention(TorchAttention):
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         qs = meta.query_start
-        longest = meta.max_query_len + 1 if self.every_row else MAX_KERNEL_QUERY
-        short = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] <= longest]
-        long = tuple(i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > longest)
+        if self.every_row:
+            short, long = list(range(meta.num_seqs)), ()
+        else:
+            short = [i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] <= MAX_KERNEL_QUERY]
+            long = tuple(i for i in range(meta.num_seqs) if qs[i + 1] - qs[i] > MAX_KERNEL_QUERY)
         plan = CpuStepPlan(torch.tensor(short, dtype=torch.int64), long)
         return replace(meta, backend_plan=plan)
 
