@@ -390,8 +390,14 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
               "int4_linear: shapes do not match");
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& offset, int64_t group) {
+// y = x @ w^T. `rowwise`: every row through one kernel whatever M, so a row's result is the
+// same bits in a batch of any size, where the default switches kernels (and so rounding) at
+// 17 and 128 rows: the engine's batch-invariant mode. That kernel is the panel kernel where
+// the build has it (one FMA chain per output, near at::mm's speed at prefill sizes, but below
+// 17 rows it computes a whole panel of 32: batch 1 pays ~8x in these matmuls), else the GEMV,
+// whose rows are independent too.
+at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                    const at::Tensor& offset, int64_t group, bool rowwise) {
   check_args(x, packed, scale, offset, group);
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
   const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
@@ -402,42 +408,35 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                    reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
                    reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()),
                    y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
-  if (m <= kGemvMaxRows) {
-    gemv(a);
 #if defined(PDSERVE_SIMD)
+  if (rowwise) {
+    gemm_panels(a);
+  } else if (m <= kGemvMaxRows) {
+    gemv(a);
   } else if (m < panel_gemm::kMaxRows) {
     gemm_panels(a);
-#endif
   } else {
     gemm(a, xc);
   }
+#else
+  if (rowwise || m <= kGemvMaxRows) {
+    gemv(a);
+  } else {
+    gemm(a, xc);
+  }
+#endif
   return y;
 }
 
-// Every row through one kernel whatever M, so a row's result is the same bits in a batch of
-// any size, where int4_linear switches kernels (and so rounding) at 17 and 128 rows: the
-// engine's batch-invariant mode. The panel kernel where the build has it: one FMA chain per
-// output, near at::mm's speed at prefill sizes, but below 17 rows it computes a whole panel
-// of 32 (batch 1 pays ~8x in these matmuls). Plain builds: the GEMV, rows independent too.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                       const at::Tensor& offset, int64_t group) {
+  return multiply(x, packed, scale, offset, group, false);
+}
+
 at::Tensor int4_linear_rowwise(const at::Tensor& x, const at::Tensor& packed,
                                const at::Tensor& scale, const at::Tensor& offset,
                                int64_t group) {
-  check_args(x, packed, scale, offset, group);
-  const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
-  const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
-  const int64_t m = xc.size(0), k = xc.size(1), n = sc.size(0);
-  at::Tensor y = at::empty({m, n}, xc.options());
-  const Int4Args a{xc.data_ptr<float>(),
-                   pc.data_ptr<uint8_t>(),
-                   reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
-                   reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()),
-                   y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
-#if defined(PDSERVE_SIMD)
-  gemm_panels(a);
-#else
-  gemv(a);
-#endif
-  return y;
+  return multiply(x, packed, scale, offset, group, true);
 }
 
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale,

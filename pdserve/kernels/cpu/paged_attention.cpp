@@ -238,32 +238,29 @@ inline void score_8_keys(const float* q, const float* k, int64_t d, float* out) 
   _mm256_storeu_ps(out, hsum8(a0, a1, a2, a3, a4, a5, a6, a7));
 }
 
-constexpr int64_t kMaxPaddedDim = 256;  // head_dim up to which a tail of keys is padded
-
-// out[j] = q . k_j for the n consecutive key rows k_j = k + j * d, 8 keys at a time. The last
-// n % 8 are copied into a zero-padded group of 8 and scored the same way, so a key's score
-// is the same bits wherever its block ends: a prompt chunked differently, or the same key
-// scored at a later step, gives the same attention (the batch-invariant mode relies on it).
+// scores[r * span + j] = q_r . k_j for `rows` query rows q_r = q + r * d and the n consecutive
+// key rows k_j = k + j * d, 8 keys at a time. The last n % 8 keys are copied once into a
+// zero-padded group of 8 and scored the same way, so a key's score is the same bits wherever
+// its block ends: a prompt chunked differently, or the same key scored at a later step, gives
+// the same attention (the batch-invariant mode relies on it).
 template <int64_t D>
-inline void score_keys(const float* q, const float* k, int64_t n, int64_t dim, float* out) {
-  const int64_t d = D > 0 ? D : dim;
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) score_8_keys(q, k + j * d, d, out + j);
-  if (j == n) return;
-  if (d <= kMaxPaddedDim) {
-    float pad[8 * kMaxPaddedDim];
-    float got[8];
-    std::memcpy(pad, k + j * d, (n - j) * d * sizeof(float));
-    std::fill(pad + (n - j) * d, pad + 8 * d, 0.f);
-    score_8_keys(q, pad, d, got);
-    std::copy(got, got + (n - j), out + j);
-    return;
+inline void score_keys(const float* q, int64_t rows, const float* k, int64_t n, int64_t dim,
+                       float* scores, int64_t span) {
+  const int64_t d = D > 0 ? D : dim, whole = n / 8 * 8;
+  thread_local std::vector<float> pad;  // reused across blocks and calls: no allocation
+  if (whole < n) {
+    pad.assign(8 * d, 0.f);
+    std::memcpy(pad.data(), k + whole * d, (n - whole) * d * sizeof(float));
   }
-  for (; j < n; ++j) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t c = 0; c < d; c += 8)
-      a = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + j * d + c), a);
-    out[j] = hsum(a);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * d;
+    float* out = scores + r * span;
+    for (int64_t j = 0; j < whole; j += 8) score_8_keys(qr, k + j * d, d, out + j);
+    if (whole < n) {
+      float got[8];
+      score_8_keys(qr, pad.data(), d, got);
+      std::copy(got, got + (n - whole), out + whole);
+    }
   }
 }
 
@@ -342,8 +339,7 @@ void attend_pair_avx2(const float* q, float* out, const float* cache, const int6
     if (b + kPrefetchBlocks < b_end) prefetch(block(b + kPrefetchBlocks, 0), head_rows);
     const int64_t t0 = std::max(lo, b * bs), t1 = std::min(ctx, (b + 1) * bs);
     const float* k = block(b, 0) + (t0 - b * bs) * d;
-    for (int64_t r = 0; r < rows; ++r)
-      score_keys<D>(qf + r * d, k, t1 - t0, d, scores + r * span + (t0 - lo));
+    score_keys<D>(qf, rows, k, t1 - t0, d, scores + (t0 - lo), span);
   }
   prefetch_ahead(b_lo, 1);  // V's first blocks arrive during the softmax
   softmax_rows_avx2(scores, total, rows, g, span, lo, first_hi, window);
