@@ -4,7 +4,8 @@ A decode-only step (every request brings one query token) is the hot loop of a d
 worker: the same short sequence of ops for every step, over a batch that changes slowly.
 Mixed and prefill steps always run eager.
 
-- `EagerDecode`: the model's forward as written.
+- `EagerDecode`: the model's forward as written; `FlatDecode` (`flat_decode.py`, the CPU's
+  default where the model qualifies) runs the same ops without the module tree's Python.
 - `CompiledDecode` (`compile_decode="inductor"`): each decoder layer through `torch.compile`
   with the inductor backend (on the CPU: C++ kernels built with gcc). One layer is traced, not
   the 30-layer model: the layers share code and their weights are graph inputs, so one graph
@@ -75,7 +76,9 @@ class CompiledDecode:
 def build_decode_step(mode: str, model: torch.nn.Module, device: torch.device, **graph_args):
     """The decode-step runner for `mode` (one of MODES); `graph_args` size the CUDA graphs."""
     if mode == "off":
-        return EagerDecode(model)
+        from pdserve.engine.flat_decode import FlatDecode
+
+        return FlatDecode(model)
     if mode == "inductor":
         return CompiledDecode(model)
     if mode == "cuda_graphs":

@@ -164,6 +164,13 @@ def derive_seed(seed: int, step: int, stream: int = 0) -> int:
     return int.from_bytes(digest, "little") & _SEED_MASK
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the lowest id on ties (a NaN wins, as in `argmax`). `max(dim)`
+    gives the same index: on the CPU its kernel is vectorised where argmax's is not (0.43
+    against 1.1 ms for 32 rows of a 49k vocabulary, 2 threads)."""
+    return logits.max(dim=-1).indices
+
+
 class Sampler:
     """Stateless: every call takes the logits [N, V] and N rows, in the same order."""
 
@@ -171,7 +178,7 @@ class Sampler:
         """Sample one token per row, with logprobs where asked."""
         _check_batch(logits, rows)
         if all(_is_plain_greedy(r) for r in rows):
-            token_ids = logits.argmax(dim=-1).tolist()  # fast path: nothing to process
+            token_ids = greedy_tokens(logits).tolist()  # fast path: nothing to process
         else:
             token_ids = self._sample(logits, rows)
         return SamplerOutput(token_ids=token_ids, logprobs=_logprobs(logits, rows, token_ids))
@@ -201,7 +208,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int]:
         processed = _processed_logits(logits, rows)
         # Right for every greedy row; sampled rows are overwritten below.
-        token_ids = processed.argmax(dim=-1)
+        token_ids = greedy_tokens(processed)
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)

@@ -103,8 +103,14 @@ def test_int4_experts_multiply_by_their_4bit_weights_once_per_expert():
             gate, up = F.linear(x[t:t + 1], w13).chunk(2, dim=-1)
             want[t] += w * F.linear(F.silu(gate) * up, w2)[0]
     assert (got - want).abs().max() <= 2**-6 * want.abs().max()
-    # The kernel's rows do not depend on the batch: grouping changes no bit.
-    assert torch.equal(got, run_per_token(layer, x, weights, ids))
+    # Within the GEMV's rows (5 or more on every build) the kernel's rows do not depend on
+    # the batch, so grouping four tokens changes no bit; larger groups go to the panel
+    # kernel, which rounds otherwise.
+    few = slice(0, 4)
+    assert torch.equal(run_grouped(layer, x[few], weights[few], ids[few]),
+                       run_per_token(layer, x[few], weights[few], ids[few]))
+    per_token = run_per_token(layer, x, weights, ids)
+    assert (got - per_token).abs().max() <= 1e-5 * want.abs().max()
 
 
 def test_a_tensor_parallel_rank_takes_its_slice_of_every_expert():

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from pdserve.engine.sampler import Sampler, SamplingRow, derive_seed
+from pdserve.engine.sampler import Sampler, SamplingRow, derive_seed, greedy_tokens
 from pdserve.engine.sampling_params import SamplingParams
 
 P4 = [0.5, 0.3, 0.15, 0.05]
@@ -36,6 +36,17 @@ def assert_probs(actual: torch.Tensor, expected) -> None:
 
 
 # -- greedy ----------------------------------------------------------------------------------
+
+
+def test_greedy_tokens_are_argmax_on_ties_nan_and_inf():
+    # Integer logits tie everywhere; NaN wins as in argmax; infinities and a masked row.
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3, 32, 33):
+        x = torch.randint(-3, 4, (n, 4099), generator=g).float()
+        x[0, 700] = x[0, 20] = float("nan")
+        x[-1] = float("-inf")
+        x[n // 2, 5] = x[n // 2, 9] = float("inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(dim=-1))
 
 
 def test_greedy_rows_take_the_argmax():

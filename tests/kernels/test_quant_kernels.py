@@ -44,13 +44,17 @@ def _check(ops) -> None:
 
 # (rows of x, rows of w, inputs, group): one, two, three blocks per group and groups of 16;
 # row counts that leave partial quads of weight rows and partial tiles of 8 activation rows;
-# M = 1 (four weight rows at once), 17..127 (the panel kernel) and 128 (dequantise, at::mm).
+# M = 1 (four weight rows at once), the GEMV's rows, the panel kernel's narrow and wide
+# panels, and 128 (dequantise, at::mm).
 INT4_SHAPES = [(1, 64, 576, 32), (1, 37, 96, 32), (3, 50, 128, 16), (9, 10, 256, 128),
                (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32),
+               (6, 21, 128, 32), (13, 40, 192, 32),
                (32, 97, 576, 32), (45, 13, 288, 32), (127, 50, 160, 16), (128, 7, 64, 32)]
-# 17..127 rows: the panel kernel, whose rows do not depend on the batch either (but round
-# differently from the GEMV's, so the two ranges are checked apart).
-PANEL_ROWS = (17, 127)
+# Rows up to which each build runs the GEMV (int4_linear.cpp's kGemvMaxRows); past them, up
+# to 127, the panel kernel (at::mm tiles in the generic build), whose rows do not depend on
+# the batch either (but round differently from the GEMV's, so the ranges are checked apart).
+GEMV_ROWS = {"avx512": 12, "avx2": 5, "generic": 16}
+LAST_PANEL_ROW = 127
 
 
 def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
@@ -63,7 +67,7 @@ def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
     return torch.randn(m, k, generator=g), pack_block32(q), scale, offset, w
 
 
-def _check_int4(ops) -> None:
+def _check_int4(ops, isa: str) -> None:
     for m, n, k, group in INT4_SHAPES:
         x, packed, scale, offset, w = _int4_case(m, n, k, group)
         assert torch.equal(ops.int4_dequantize(packed, scale, offset, group), w)
@@ -80,13 +84,14 @@ def _check_int4(ops) -> None:
         assert torch.equal(rowwise, torch.cat([
             ops.int4_linear_rowwise(x[i:i + 1], packed, scale, offset, group)
             for i in range(m)]))
-        if m <= 16:
+        if m <= GEMV_ROWS[isa]:
             alone = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
                                for i in range(m)])
             assert torch.equal(got, alone)
-        elif m <= PANEL_ROWS[1]:
-            # The same rows in a batch of another size (another number of panels, padding).
-            more = torch.randn(PANEL_ROWS[1] - m, k, generator=torch.Generator().manual_seed(1))
+        elif m <= LAST_PANEL_ROW:
+            # The same rows in a batch of another size (another panel shape or number of
+            # panels, padding).
+            more = torch.randn(LAST_PANEL_ROW - m, k, generator=torch.Generator().manual_seed(1))
             other = torch.cat([x, more]) if m < 64 else x[:17]
             part = ops.int4_linear(other, packed, scale, offset, group)
             rows = min(m, other.shape[0])
@@ -101,7 +106,7 @@ def test_int8_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
 
 def test_int4_matmul_equals_the_dequantised_weight_and_ignores_the_batch():
     ops = cpu_kernels.load_layer_ops()
-    _check_int4(ops)
+    _check_int4(ops, cpu_kernels.best_isa())
     with pytest.raises(RuntimeError, match="power of two"):
         x, packed, scale, offset, _ = _int4_case(1, 4, 96, 32)
         ops.int4_linear(x, packed, scale, offset, 48)
@@ -119,7 +124,7 @@ from tests.kernels.test_quant_kernels import _check, _check_int4
 ops = cpu.load_layer_ops(sys.argv[1])
 assert ops is not None
 _check(ops)
-_check_int4(ops)
+_check_int4(ops, sys.argv[1])
 _check_layer_ops(ops)
 print("ok")
 """

@@ -55,6 +55,15 @@ class CpuPagedAttention(TorchAttention):
         plan = CpuStepPlan(torch.tensor(short, dtype=torch.int64), long)
         return replace(meta, backend_plan=plan)
 
+    def kernel_rows(self, cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """This step's rows for `ops.paged_attention` when its attention is the kernel's alone
+        (every row planned for it, an fp32 cache it reads), as `write_kv` and `attend` would
+        run it; else None. What a flat decode loop (`engine/flat_decode.py`) calls it with."""
+        plan = meta.backend_plan
+        if not isinstance(plan, CpuStepPlan) or plan.reference_seqs or cache.dtype != torch.float32:
+            return None
+        return plan.kernel_seqs
+
     def traceable(self, cache: torch.Tensor) -> bool:
         return not is_packed_fp8(cache)
 

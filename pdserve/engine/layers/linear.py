@@ -13,6 +13,8 @@ an `Int4Weight` (4-bit checkpoints); both slice the same way (`narrow`).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +26,7 @@ from pdserve.engine.quant.int4_weight import Int4Weight
 
 Loaded = torch.Tensor | Int4Weight
 """A checkpoint weight as a layer's loader receives it."""
+Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,14 @@ class LinearMethod:
               bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
+    def flat_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> Matmul | None:
+        """`x -> apply(layer, x, bias)` for a 2-D x, bound once to the loaded weights (the
+        flat decode loop, `engine/flat_decode.py`), or None where a method has no such form.
+        Subclasses offer their own or none: the dense one is not theirs."""
+        if type(self) is not LinearMethod:
+            return None
+        return functools.partial(F.linear, weight=layer.weight, bias=bias)
+
     def finalize(self, layer: nn.Module) -> None:
         """Called once after all weights are loaded (quantise, repack, ...)."""
 
@@ -87,6 +98,11 @@ class LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, self.bias)
+
+    def flat_forward(self) -> Matmul | None:
+        """This layer's forward for a 2-D x as one bound call, or None (tensor parallelism,
+        or a method without a flat form): see `LinearMethod.flat_matmul`."""
+        return self.method.flat_matmul(self, self.bias) if self.tp.size == 1 else None
 
 
 class ReplicatedLinear(LinearBase):
@@ -188,6 +204,13 @@ class RowParallelLinear(LinearBase):
             return
         cols = loaded.shape[1] // self.tp.size
         self.method.load(self, param, loaded, Shard(1, self.tp.rank * cols, cols))
+
+    def flat_forward(self) -> Matmul | None:
+        mm = self.method.flat_matmul(self, None) if self.tp.size == 1 else None
+        if mm is None or self.bias is None:
+            return mm
+        bias = self.bias
+        return lambda x: mm(x) + bias  # added after the product, as forward does
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins after the reduction so it is added once, not once per rank.

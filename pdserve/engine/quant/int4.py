@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.engine.layers.linear import LinearMethod, Loaded, Shard
+from pdserve.engine.layers.linear import LinearMethod, Loaded, Matmul, Shard
 from pdserve.engine.quant.int4_kernels import Int4Matmul, build_int4_matmul
 from pdserve.engine.quant.int4_quantize import (
     DEFAULT_GROUP_SIZE,
@@ -103,6 +103,12 @@ class Int4LinearMethod(LinearMethod):
         if bias is not None:
             out = out + bias
         return out.view(*lead, out.shape[-1])
+
+    def flat_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> Matmul | None:
+        if self.column_order is not None:  # act-order checkpoints permute x first
+            return None
+        mm = self.kernel.matmul
+        return mm if bias is None else (lambda x: mm(x) + bias)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [N, K] weight the layer multiplies by, in input-feature order."""

@@ -17,13 +17,13 @@
 // GGUF whose 4-bit values are exactly the fp32 model's weights. Here everything is fp32, so
 // the two differ by rounding at the level of summation order.
 //
-// Decode (M <= 16): a GEMV that walks the packed weight once per tile of up to 8 activation
-// rows (four weight rows at once when M = 1), with software prefetch of the stream ahead;
-// rows are split over torch's thread pool. Larger M: each task dequantises a tile of weight
-// rows into a scratch matrix (q * scale, then + offset, two roundings as the fp32 loader
-// does). Decode batches of 17-127 rows multiply it with the register-blocked panel kernel
-// (panel_gemm.h); prefill (128+) with at::mm on tiles of 64-512 rows (two tasks a thread),
-// so prefill runs at GEMM speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot
+// Small decode batches (M <= kGemvMaxRows): a GEMV that walks the packed weight once per
+// tile of up to 8 activation rows (four weight rows at once when M = 1), with software
+// prefetch of the stream ahead; rows are split over torch's thread pool. Larger M: each task
+// dequantises a tile of weight rows into a scratch matrix (q * scale, then + offset, two
+// roundings as the fp32 loader does). Decode batches up to 127 rows multiply it with the
+// register-blocked panel kernel (panel_gemm.h); prefill (128+) with at::mm on tiles of
+// 64-512 rows (two tasks a thread), writing y in place, so prefill runs at GEMM speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot
 // products do twice the work per instruction there).
 
 #include <ATen/ATen.h>
@@ -42,7 +42,17 @@ namespace {
 
 constexpr int64_t kBlock = 32;       // inputs per 16-byte block
 constexpr int64_t kTile = 8;         // activation rows per pass over a weight row
-constexpr int64_t kGemvMaxRows = 16; // above this, dequantise: panels, then at::mm
+// Rows up to which the GEMV beats the panel kernel (panel_gemm.h; measured on SmolLM2's
+// shapes, 2 threads): past them, dequantise, then panels, then at::mm. The GEMV's cost grows
+// with every row (an activation load per FMA, a reduction per output) where a narrow panel's
+// is flat up to its width: 12 of 16 with AVX-512, 5 of 8 with AVX2.
+#if defined(__AVX512F__)
+constexpr int64_t kGemvMaxRows = 12;
+#elif defined(__AVX2__)
+constexpr int64_t kGemvMaxRows = 5;
+#else
+constexpr int64_t kGemvMaxRows = 16;  // no panel kernel: the GEMV, then at::mm
+#endif
 constexpr int64_t kGemmRowsMin = 64;   // weight rows dequantised per at::mm task: at least,
 constexpr int64_t kGemmRowsMax = 512;  // at most, and otherwise two tasks per thread
 constexpr int64_t kWideTileRows = 128;  // activation rows from which tiles grow past the least
@@ -319,7 +329,7 @@ void gemv(const Int4Args& a) {
 }
 
 #if defined(PDSERVE_SIMD)
-// Decode batches above the GEMV's 16 rows: at::mm on a dequantised 64-row tile ran at 0.4x
+// Decode batches above the GEMV's rows: at::mm on a dequantised 64-row tile ran at 0.4x
 // of its large-M speed there (a 32 x 64 x 576 product is all call overhead to MKL), so the
 // register-blocked panel kernel (panel_gemm.h) multiplies the same fp32 rows instead. A
 // kernel that kept the GEMV's order of summation (vector accumulators per output, a
@@ -344,12 +354,12 @@ int64_t gemm_rows(int64_t m, int64_t n) {
   return std::clamp((per_task + 15) / 16 * 16, kGemmRowsMin, kGemmRowsMax);
 }
 
-void gemm(const Int4Args& a, const at::Tensor& x) {
+void gemm(const Int4Args& a, const at::Tensor& x, at::Tensor& y) {
   const int64_t tile = gemm_rows(a.m, a.n);
   const int64_t tasks = (a.n + tile - 1) / tile;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    // Pool threads do not inherit the caller's inference mode: no autograd here, and the
-    // result is written through raw pointers, never an in-place op on y.
+    // Pool threads do not inherit the caller's inference mode: no autograd here. Each task
+    // writes its own columns of y in place (a BLAS-strided view: no copy of its product).
     c10::InferenceMode guard;
     at::Tensor w = at::empty({tile, a.k}, x.options());
     std::vector<float> buf(2 * a.groups);
@@ -359,10 +369,8 @@ void gemm(const Int4Args& a, const at::Tensor& x) {
       for (int64_t r = 0; r < rows; ++r)
         dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
                     a.offset + (r0 + r) * a.groups, a.k, a.gshift, buf.data(), wp + r * a.k);
-      const at::Tensor part = at::mm(x, w.narrow(0, 0, rows).t()).contiguous();
-      const float* pp = part.data_ptr<float>();
-      for (int64_t r = 0; r < a.m; ++r)
-        std::memcpy(a.y + r * a.n + r0, pp + r * rows, rows * sizeof(float));
+      at::Tensor cols = y.narrow(1, r0, rows);
+      at::mm_out(cols, x, w.narrow(0, 0, rows).t());
     }
   });
 }
@@ -391,11 +399,11 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 }
 
 // y = x @ w^T. `rowwise`: every row through one kernel whatever M, so a row's result is the
-// same bits in a batch of any size, where the default switches kernels (and so rounding) at
-// 17 and 128 rows: the engine's batch-invariant mode. That kernel is the panel kernel where
-// the build has it (one FMA chain per output, near at::mm's speed at prefill sizes, but below
-// 17 rows it computes a whole panel of 32: batch 1 pays ~8x in these matmuls), else the GEMV,
-// whose rows are independent too.
+// same bits in a batch of any size, where the default switches kernels (and so rounding)
+// past kGemvMaxRows and at 128 rows: the engine's batch-invariant mode. That kernel is the
+// panel kernel where the build has it (one FMA chain per output, in either panel shape; near
+// at::mm's speed at prefill sizes, but at batch 1 it computes a whole narrow panel: ~5x the
+// GEMV in these matmuls), else the GEMV, whose rows are independent too.
 at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                     const at::Tensor& offset, int64_t group, bool rowwise) {
   check_args(x, packed, scale, offset, group);
@@ -416,13 +424,13 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   } else if (m < panel_gemm::kMaxRows) {
     gemm_panels(a);
   } else {
-    gemm(a, xc);
+    gemm(a, xc, y);
   }
 #else
   if (rowwise || m <= kGemvMaxRows) {
     gemv(a);
   } else {
-    gemm(a, xc);
+    gemm(a, xc, y);
   }
 #endif
   return y;

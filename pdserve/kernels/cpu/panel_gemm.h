@@ -1,21 +1,23 @@
 // y = x @ w^T for fp32 x [M, K] and a quantised w [N, K] dequantised a tile of rows at a
-// time: int4_linear.cpp's matmul for decode batches between its GEMV's 16 rows and kMaxRows,
+// time: int4_linear.cpp's matmul for decode batches past its GEMV's rows and below kMaxRows,
 // where at::mm on small tiles is mostly call overhead and the GEMV is bound by loading an
-// activation vector per FMA.
+// activation vector per FMA (and a reduction per output).
 //
-// x is transposed once per call into panels of kWidth rows (xt[kk][j] = x[j][kk]). Each task
+// x is transposed once per call into panels of W rows (xt[kk][j] = x[j][kk]). Each task
 // dequantises kTile weight rows into an fp32 scratch; the micro-kernel then broadcasts one
-// weight per weight row against a panel's activations, kRows x kVecs accumulators in
-// registers (12 FMAs to 8 loads), over chunks of k that stay in L1. Every output is one FMA
-// chain over k in order, so a row's result does not depend on the other rows of the batch
-// (but differs in rounding from the GEMV's, which sums 16 lanes and then reduces).
+// weight per weight row against a panel's activations, R x V accumulators in registers, over
+// chunks of k that stay in L1. Two panel shapes: `Wide` (V = 2, R = 6: 12 FMAs to 8 loads)
+// and `Narrow` (V = 1, R = 12, half as wide, for batches of at most one vector of rows, which
+// a wide panel would half waste). Every output is one FMA chain over k in order whatever the
+// shape, so a row's result is the same bits in either shape and whatever the other rows of
+// the batch (but differs in rounding from the GEMV's, which sums lanes and then reduces).
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
-#include <vector>
+#include <memory>
 
 #include "simd.h"
 
@@ -25,77 +27,105 @@ namespace panel_gemm {
 using pdserve_simd::kLanes;
 using pdserve_simd::vec;
 
-constexpr int kRows = 6;                     // weight rows per micro-tile (15 of AVX2's 16)
-constexpr int kVecs = 2;                     // activation vectors per micro-tile
-constexpr int64_t kWidth = kVecs * kLanes;   // activation rows per panel
-constexpr int64_t kTile = 8 * kRows;         // weight rows dequantised per task
-constexpr int64_t kChunk = 128;              // inputs per pass over a panel
-constexpr int64_t kMaxRows = 128;            // from here at::mm on wide tiles is faster
+template <int V, int R>
+struct Shape {
+  static constexpr int kVecs = V;                   // activation vectors per micro-tile
+  static constexpr int kRows = R;                   // weight rows per micro-tile
+  static constexpr int64_t kWidth = V * kLanes;     // activation rows per panel
+};
+using Wide = Shape<2, 6>;     // 12 accumulators + 2 + 1 (AVX2 has 16 registers)
+using Narrow = Shape<1, 12>;  // 12 accumulators + 1 + 1
 
-// c[i][j] += sum_k w[i][k] xt[k][j] over one chunk of k: w is kRows rows `ldw` floats
-// apart, xt k rows of kWidth, c kRows rows of kWidth. Chunks go in order of k and each starts
-// from the last one's sums.
+constexpr int64_t kTile = 48;       // weight rows dequantised per task (both shapes' R divide it)
+constexpr int64_t kChunk = 128;     // inputs per pass over a panel
+constexpr int64_t kMaxRows = 128;   // from here at::mm on wide tiles is faster
+
+// c[i][j] += sum_k w[i][k] xt[k][j] over one chunk of k: w is R rows `ldw` floats apart, xt
+// k rows of W, c R rows of W. Chunks go in order of k and each starts from the last one's sums.
+template <class S>
 inline void micro_kernel(const float* w, int64_t ldw, const float* xt, int64_t k, bool first,
                          float* c) {
   using namespace pdserve_simd;  // NOLINT: the kernel's own vector vocabulary
-  vec acc[kRows][kVecs];
-  for (int i = 0; i < kRows; ++i)
-    for (int v = 0; v < kVecs; ++v)
-      acc[i][v] = first ? vzero() : vload(c + i * kWidth + v * kLanes);
+  constexpr int V = S::kVecs, R = S::kRows;
+  constexpr int64_t W = S::kWidth;
+  vec acc[R][V];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) acc[i][v] = first ? vzero() : vload(c + i * W + v * kLanes);
   for (int64_t kk = 0; kk < k; ++kk) {
-    vec xv[kVecs];
-    for (int v = 0; v < kVecs; ++v) xv[v] = vload(xt + kk * kWidth + v * kLanes);
-    for (int i = 0; i < kRows; ++i) {
+    vec xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = vload(xt + kk * W + v * kLanes);
+    for (int i = 0; i < R; ++i) {
       const vec wb = vset1(w[i * ldw + kk]);
-      for (int v = 0; v < kVecs; ++v) acc[i][v] = vfma(wb, xv[v], acc[i][v]);
+      for (int v = 0; v < V; ++v) acc[i][v] = vfma(wb, xv[v], acc[i][v]);
     }
   }
-  for (int i = 0; i < kRows; ++i)
-    for (int v = 0; v < kVecs; ++v) vstore(c + i * kWidth + v * kLanes, acc[i][v]);
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < V; ++v) vstore(c + i * W + v * kLanes, acc[i][v]);
 }
 
-// xt[p][kk][j] = x[p * kWidth + j][kk], zero past the last row. Written in order and read
-// from kWidth streams of x (column by column, every store landed on a new cache line).
-inline std::vector<float> transpose_panels(const float* x, int64_t m, int64_t k) {
-  const int64_t panels = (m + kWidth - 1) / kWidth;
-  std::vector<float> xt(panels * k * kWidth, 0.f);
-  for (int64_t p = 0; p < panels; ++p) {
-    const int64_t rows = std::min(kWidth, m - p * kWidth);
-    const float* xp = x + p * kWidth * k;
-    float* out = xt.data() + p * k * kWidth;
-    for (int64_t kk = 0; kk < k; ++kk, out += kWidth)
-      for (int64_t j = 0; j < rows; ++j) out[j] = xp[j * k + kk];
-  }
+// xt[p][kk][j] = x[p * W + j][kk], zero past the last row. Split over k between the threads:
+// done by the calling thread alone it was ~2% of a batch-32 decode step, the other waiting.
+template <int64_t W>
+inline std::unique_ptr<float[]> transpose_panels(const float* x, int64_t m, int64_t k) {
+  const int64_t panels = (m + W - 1) / W;
+  std::unique_ptr<float[]> xt(new float[panels * k * W]);
+  at::parallel_for(0, k, kChunk, [&](int64_t k0, int64_t k1) {
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t rows = std::min(W, m - p * W);
+      const float* xp = x + p * W * k;
+      float* out = xt.get() + p * k * W;
+      for (int64_t kk = k0; kk < k1; ++kk) {
+        float* o = out + kk * W;
+        for (int64_t j = 0; j < rows; ++j) o[j] = xp[j * k + kk];
+        std::fill(o + rows, o + W, 0.f);
+      }
+    }
+  });
   return xt;
 }
 
 // `dequant(r0, rows, out)` writes weight rows r0 .. r0 + rows - 1 as fp32, k apart, to out.
-template <class Dequant>
-void matmul(const float* x, int64_t m, int64_t n, int64_t k, float* y, const Dequant& dequant) {
-  const int64_t panels = (m + kWidth - 1) / kWidth;
-  const std::vector<float> xt = transpose_panels(x, m, k);
+template <class S, class Dequant>
+void matmul_as(const float* x, int64_t m, int64_t n, int64_t k, float* y,
+               const Dequant& dequant) {
+  constexpr int R = S::kRows;
+  constexpr int64_t W = S::kWidth;
+  const int64_t panels = (m + W - 1) / W;
+  const std::unique_ptr<float[]> xt = transpose_panels<W>(x, m, k);
   const int64_t tasks = (n + kTile - 1) / kTile;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> w(kTile * k), c(kTile * kWidth);
+    // Scratch left uninitialised: every value read is written first (padding rows below).
+    std::unique_ptr<float[]> wbuf(new float[kTile * k]), cbuf(new float[kTile * W]);
+    float* w = wbuf.get();
+    float* c = cbuf.get();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t r0 = t * kTile, rows = std::min(kTile, n - r0);
-      dequant(r0, rows, w.data());
-      const int64_t padded = (rows + kRows - 1) / kRows * kRows;
-      std::fill(w.begin() + rows * k, w.begin() + padded * k, 0.f);
+      dequant(r0, rows, w);
+      const int64_t padded = (rows + R - 1) / R * R;
+      std::fill(w + rows * k, w + padded * k, 0.f);
       for (int64_t p = 0; p < panels; ++p) {
-        const float* xp = xt.data() + p * k * kWidth;
+        const float* xp = xt.get() + p * k * W;
         for (int64_t k0 = 0; k0 < k; k0 += kChunk) {
           const int64_t kn = std::min(kChunk, k - k0);
-          for (int64_t i0 = 0; i0 < rows; i0 += kRows)
-            micro_kernel(w.data() + i0 * k + k0, k, xp + k0 * kWidth, kn, k0 == 0,
-                         c.data() + i0 * kWidth);
+          for (int64_t i0 = 0; i0 < rows; i0 += R)
+            micro_kernel<S>(w + i0 * k + k0, k, xp + k0 * W, kn, k0 == 0, c + i0 * W);
         }
-        const int64_t xrows = std::min(kWidth, m - p * kWidth);
+        const int64_t xrows = std::min(W, m - p * W);
         for (int64_t j = 0; j < xrows; ++j)
-          for (int64_t i = 0; i < rows; ++i) y[(p * kWidth + j) * n + r0 + i] = c[i * kWidth + j];
+          for (int64_t i = 0; i < rows; ++i) y[(p * W + j) * n + r0 + i] = c[i * W + j];
       }
     }
   });
+}
+
+// The narrow shape for a batch of at most one vector of rows, else the wide one.
+template <class Dequant>
+void matmul(const float* x, int64_t m, int64_t n, int64_t k, float* y, const Dequant& dequant) {
+  if (m <= Narrow::kWidth) {
+    matmul_as<Narrow>(x, m, n, k, y, dequant);
+  } else {
+    matmul_as<Wide>(x, m, n, k, y, dequant);
+  }
 }
 
 }  // namespace panel_gemm
