@@ -14,7 +14,7 @@ from pdserve.engine import LLM, SamplingParams
 from pdserve.engine.config import EngineConfig
 from tests.helpers.checkpoints import VOCAB, save_tiny
 from tests.helpers.engine import random_prompts
-from tests.helpers.gguf_files import gguf_from_hf
+from tests.helpers.gguf_files import gguf_from_hf, q4_1_linears
 
 LENGTHS = [5, 90, 17, 140, 33, 64, 9, 120, 48, 75]
 
@@ -25,11 +25,7 @@ def q4_gguf(tmp_path_factory):
     hf = save_tiny(tmp / "hf", "llama", seed=11, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2)
 
-    def quantised(name: str) -> str:
-        linear = any(f".{p}." in name for p in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                "ffn_gate", "ffn_up", "ffn_down"))
-        return "Q4_1" if linear else "F32"
-    return gguf_from_hf(hf, tmp / "q4.gguf", "llama", quantised)
+    return gguf_from_hf(hf, tmp / "q4.gguf", "llama", q4_1_linears)
 
 
 def _params() -> list[SamplingParams]:

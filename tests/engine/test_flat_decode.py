@@ -16,7 +16,7 @@ from pdserve.engine.decode_step import EagerDecode
 from pdserve.engine.flat_decode import FlatDecode, FlatState
 from tests.helpers.checkpoints import VOCAB, save_tiny
 from tests.helpers.engine import assert_idle, random_prompts
-from tests.helpers.gguf_files import gguf_from_hf
+from tests.helpers.gguf_files import gguf_from_hf, q4_1_linears
 
 # 14 requests: the decode batch passes through the int4 GEMV's rows and the narrow panels.
 LENGTHS = [5, 60, 17, 3, 33, 9, 52, 21, 11, 40, 7, 26, 14, 70]
@@ -59,11 +59,7 @@ def q4_gguf(tmp_path_factory):
     hf = save_tiny(tmp / "hf", "llama", seed=22, hidden_size=128, intermediate_size=256,
                    num_attention_heads=4, num_key_value_heads=2)
 
-    def quantised(name: str) -> str:
-        linear = any(f".{p}." in name for p in ("attn_q", "attn_k", "attn_v", "attn_output",
-                                                "ffn_gate", "ffn_up", "ffn_down"))
-        return "Q4_1" if linear else "F32"
-    return str(gguf_from_hf(hf, tmp / "q4.gguf", "llama", quantised))
+    return str(gguf_from_hf(hf, tmp / "q4.gguf", "llama", q4_1_linears))
 
 
 @pytest.mark.parametrize("invariant", [False, True])

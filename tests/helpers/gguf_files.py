@@ -128,6 +128,15 @@ def write_gguf(path: Path, arch: str, hparams: dict, tensors: list[tuple[str, np
     return path
 
 
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def q4_1_linears(name: str) -> str:
+    """A `types` for gguf_from_hf: every linear layer Q4_1, the rest F32 (as the default
+    model's file)."""
+    return "Q4_1" if any(f".{p}." in name for p in _LINEARS) else "F32"
+
+
 def gguf_from_hf(hf_dir: Path, out: Path, arch: str = "llama",
                  types: Callable[[str], str] = lambda name: "F32", seed: int = 0,
                  name: str = "tiny", pre: str = "gpt2", extra_hparams: dict | None = None,

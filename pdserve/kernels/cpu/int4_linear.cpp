@@ -23,8 +23,9 @@
 // dequantises a tile of weight rows into a scratch matrix (q * scale, then + offset, two
 // roundings as the fp32 loader does). Decode batches up to 127 rows multiply it with the
 // register-blocked panel kernel (panel_gemm.h); prefill (128+) with at::mm on tiles of
-// 64-512 rows (two tasks a thread), writing y in place, so prefill runs at GEMM speed. At M = 8 the fp32 FMAs are the bound (torch's bf16 dot
-// products do twice the work per instruction there).
+// 64-512 rows (two tasks a thread), writing y in place, so prefill runs at GEMM speed. At
+// M = 8 the fp32 FMAs are the bound (torch's bf16 dot products do twice the work per
+// instruction there).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -159,14 +160,12 @@ void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset
   const float* of = buf + groups;
   for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
 #if defined(PDSERVE_NIBBLE_TABLES)
-    vec q[kVecs], t[kVecs];
-    for (int v = 0; v < kVecs; ++v) {
-      const int64_t g = (k0 + kVecOffset[v]) >> gshift;
-      t[v] = v > 0 && g == ((k0 + kVecOffset[0]) >> gshift)
-                 ? t[0]
-                 : vadd(nibble_table(sc[g]), vset1(of[g]));
-    }
-    lookup_block(p, t[0], t[1], q);
+    // Inputs k0.. and k0 + 16..: one group unless groups are 16 wide.
+    const int64_t g0 = k0 >> gshift, g1 = (k0 + 16) >> gshift;
+    const vec t0 = vadd(nibble_table(sc[g0]), vset1(of[g0]));
+    const vec t1 = g1 == g0 ? t0 : vadd(nibble_table(sc[g1]), vset1(of[g1]));
+    vec q[kVecs];
+    lookup_block(p, t0, t1, q);
     for (int v = 0; v < kVecs; ++v) vstore(out + k0 + kVecOffset[v], q[v]);
 #elif defined(PDSERVE_SIMD)
     vec q[kVecs];
