@@ -112,7 +112,7 @@ using namespace pdserve_simd;  // NOLINT: the kernel's own vector vocabulary
 #if defined(PDSERVE_SIMD) && defined(__AVX512F__)
 constexpr int kVecs = 2;                  // vectors of 16 inputs per block
 constexpr int kVecOffset[kVecs] = {0, 16};
-inline void widen_block(const uint8_t* p, vec* q) {
+PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, vec* q) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
   q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
@@ -128,7 +128,7 @@ inline vec nibble_table(float scale) {
 // replaces the conversion and the multiply: 5 vector operations a block where widen_block
 // and the scaling took 7, in the kernels that are bound by them (the M = 1 GEMV, the
 // dequantisation ahead of the panels).
-inline void lookup_block(const uint8_t* p, vec t0, vec t1, vec* q) {
+PDSERVE_ALWAYS_INLINE void lookup_block(const uint8_t* p, vec t0, vec t1, vec* q) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   q[0] = _mm512_permutexvar_ps(v, t0);
   q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t1);
@@ -137,7 +137,7 @@ inline void lookup_block(const uint8_t* p, vec t0, vec t1, vec* q) {
 #elif defined(PDSERVE_SIMD)
 constexpr int kVecs = 4;                  // vectors of 8 inputs per block
 constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
-inline void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 16-23; 8-15: 8-15, 24-31
+PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 16-23; 8-15: 8-15, 24-31
   const __m256i mask = _mm256_set1_epi32(0xF);
   for (int half = 0; half < 2; ++half) {
     const __m256i v = _mm256_cvtepu8_epi32(

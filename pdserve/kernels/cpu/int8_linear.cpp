@@ -59,42 +59,61 @@ inline void dot_tile_scalar(const int8_t* w, const float* scale, const float* x,
   }
 }
 
-template <int R>
+// RW weight rows (n apart in w and out) with R activation rows. Each (weight row, activation
+// row) pair is one FMA chain over the row's vectors in order, whatever RW and R: at M = 1 a
+// lone chain waits on its FMA's latency (the head ran at half the memory's speed), so small
+// batches walk several weight rows at once, which changes no result (bitwise).
+template <int RW, int R>
 inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_t k,
-                     int64_t g, float* out) {
+                     int64_t g, float* out, int64_t n) {
 #if defined(PDSERVE_SIMD)
   if (g % kLanes == 0) {
     // Each vector of weights lies in one group: widen, scale (the dequantised fp32 weight,
     // exactly), then one FMA per activation row.
-    vec acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = vzero();
+    const int64_t groups = k / g;
+    vec acc[RW][R];
+    for (int a = 0; a < RW; ++a)
+      for (int r = 0; r < R; ++r) acc[a][r] = vzero();
     for (int64_t g0 = 0, gi = 0; g0 < k; g0 += g, ++gi) {
       // The rows stream from memory (the head is read whole once per step): fetch ahead.
-      _mm_prefetch(reinterpret_cast<const char*>(w + g0 + 2048), _MM_HINT_T0);
-      const vec sv = vset1(scale[gi]);
+      for (int a = 0; a < RW; ++a)
+        _mm_prefetch(reinterpret_cast<const char*>(w + a * k + g0 + 2048), _MM_HINT_T0);
+      vec sv[RW];
+      for (int a = 0; a < RW; ++a) sv[a] = vset1(scale[a * groups + gi]);
       for (int64_t i = g0; i < g0 + g; i += kLanes) {
-        const vec wv = vmul(vwiden(w + i), sv);
-        for (int r = 0; r < R; ++r) acc[r] = vfma(wv, vload(x + r * k + i), acc[r]);
+        vec xv[R];
+        for (int r = 0; r < R; ++r) xv[r] = vload(x + r * k + i);
+        for (int a = 0; a < RW; ++a) {
+          const vec wv = vmul(vwiden(w + a * k + i), sv[a]);
+          for (int r = 0; r < R; ++r) acc[a][r] = vfma(wv, xv[r], acc[a][r]);
+        }
       }
     }
-    for (int r = 0; r < R; ++r) out[r] = vsum(acc[r]);
+    for (int a = 0; a < RW; ++a)
+      for (int r = 0; r < R; ++r) out[r * n + a] = vsum(acc[a][r]);
     return;
   }
 #endif
-  dot_tile_scalar<R>(w, scale, x, k, g, out);
+  for (int a = 0; a < RW; ++a) {
+    float o[R];
+    dot_tile_scalar<R>(w + a * k, scale + a * (k / g), x, k, g, o);
+    for (int r = 0; r < R; ++r) out[r * n + a] = o[r];
+  }
 }
 
+// Weight rows [row, row + RW) against activation rows [0, rows): y [rows, n] at out.
+template <int RW>
 inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const float* x,
-                     int64_t k, int64_t g, float* out) {
+                     int64_t k, int64_t g, float* out, int64_t n) {
   switch (rows) {
-    case 1: return dot_tile<1>(w, scale, x, k, g, out);
-    case 2: return dot_tile<2>(w, scale, x, k, g, out);
-    case 3: return dot_tile<3>(w, scale, x, k, g, out);
-    case 4: return dot_tile<4>(w, scale, x, k, g, out);
-    case 5: return dot_tile<5>(w, scale, x, k, g, out);
-    case 6: return dot_tile<6>(w, scale, x, k, g, out);
-    case 7: return dot_tile<7>(w, scale, x, k, g, out);
-    default: return dot_tile<8>(w, scale, x, k, g, out);
+    case 1: return dot_tile<RW, 1>(w, scale, x, k, g, out, n);
+    case 2: return dot_tile<RW, 2>(w, scale, x, k, g, out, n);
+    case 3: return dot_tile<RW, 3>(w, scale, x, k, g, out, n);
+    case 4: return dot_tile<RW, 4>(w, scale, x, k, g, out, n);
+    case 5: return dot_tile<RW, 5>(w, scale, x, k, g, out, n);
+    case 6: return dot_tile<RW, 6>(w, scale, x, k, g, out, n);
+    case 7: return dot_tile<RW, 7>(w, scale, x, k, g, out, n);
+    default: return dot_tile<RW, 8>(w, scale, x, k, g, out, n);
   }
 }
 
@@ -195,15 +214,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   }
 #endif
   // ~64 rows per task: large enough to amortise the task, small enough to balance 2+ cores.
+  // Up to two activation rows, four weight rows at a time (their FMA chains overlap).
+  const bool quads = m <= 2;
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
-    float out[kRowsPerTile];
-    for (int64_t row = begin; row < end; ++row) {
-      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile) {
-        const int64_t rows = std::min(kRowsPerTile, m - r0);
-        dot_rows(rows, wp + row * k, sp + row * groups, xp + r0 * k, k, g, out);
-        for (int64_t r = 0; r < rows; ++r) yp[(r0 + r) * n + row] = out[r];
-      }
-    }
+    int64_t row = begin;
+    if (quads)
+      for (; row + 4 <= end; row += 4)
+        dot_rows<4>(m, wp + row * k, sp + row * groups, xp, k, g, yp + row, n);
+    for (; row < end; ++row)
+      for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile)
+        dot_rows<1>(std::min(kRowsPerTile, m - r0), wp + row * k, sp + row * groups,
+                    xp + r0 * k, k, g, yp + r0 * n + row, n);
   });
   return y;
 }

@@ -11,6 +11,11 @@
 
 #define PDSERVE_SIMD 1
 
+// For the small helpers that take or fill a vec array: gcc left the AVX2 widen_block out of
+// line at -O3, so the vectors of every block went through the stack (the M = 1 GEMV ran at
+// half speed).
+#define PDSERVE_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace pdserve_simd {
 
 #if defined(__AVX512F__)
