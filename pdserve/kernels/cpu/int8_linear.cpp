@@ -101,19 +101,18 @@ inline void dot_tile(const int8_t* w, const float* scale, const float* x, int64_
   }
 }
 
-// Weight rows [row, row + RW) against activation rows [0, rows): y [rows, n] at out.
-template <int RW>
+// One weight row against activation rows [0, rows): y [rows, n] at out.
 inline void dot_rows(int64_t rows, const int8_t* w, const float* scale, const float* x,
                      int64_t k, int64_t g, float* out, int64_t n) {
   switch (rows) {
-    case 1: return dot_tile<RW, 1>(w, scale, x, k, g, out, n);
-    case 2: return dot_tile<RW, 2>(w, scale, x, k, g, out, n);
-    case 3: return dot_tile<RW, 3>(w, scale, x, k, g, out, n);
-    case 4: return dot_tile<RW, 4>(w, scale, x, k, g, out, n);
-    case 5: return dot_tile<RW, 5>(w, scale, x, k, g, out, n);
-    case 6: return dot_tile<RW, 6>(w, scale, x, k, g, out, n);
-    case 7: return dot_tile<RW, 7>(w, scale, x, k, g, out, n);
-    default: return dot_tile<RW, 8>(w, scale, x, k, g, out, n);
+    case 1: return dot_tile<1, 1>(w, scale, x, k, g, out, n);
+    case 2: return dot_tile<1, 2>(w, scale, x, k, g, out, n);
+    case 3: return dot_tile<1, 3>(w, scale, x, k, g, out, n);
+    case 4: return dot_tile<1, 4>(w, scale, x, k, g, out, n);
+    case 5: return dot_tile<1, 5>(w, scale, x, k, g, out, n);
+    case 6: return dot_tile<1, 6>(w, scale, x, k, g, out, n);
+    case 7: return dot_tile<1, 7>(w, scale, x, k, g, out, n);
+    default: return dot_tile<1, 8>(w, scale, x, k, g, out, n);
   }
 }
 
@@ -219,11 +218,15 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     int64_t row = begin;
     if (quads)
-      for (; row + 4 <= end; row += 4)
-        dot_rows<4>(m, wp + row * k, sp + row * groups, xp, k, g, yp + row, n);
+      for (; row + 4 <= end; row += 4) {
+        const int8_t* w4 = wp + row * k;
+        const float* s4 = sp + row * groups;
+        if (m == 1) dot_tile<4, 1>(w4, s4, xp, k, g, yp + row, n);
+        else dot_tile<4, 2>(w4, s4, xp, k, g, yp + row, n);
+      }
     for (; row < end; ++row)
       for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile)
-        dot_rows<1>(std::min(kRowsPerTile, m - r0), wp + row * k, sp + row * groups,
+        dot_rows(std::min(kRowsPerTile, m - r0), wp + row * k, sp + row * groups,
                     xp + r0 * k, k, g, yp + r0 * n + row, n);
   });
   return y;
