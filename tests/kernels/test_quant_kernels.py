@@ -15,6 +15,7 @@ import torch
 from pdserve.engine.quant.int8_head import quantize_groups
 from pdserve.kernels import cpu as cpu_kernels
 from pdserve.kernels.int4_pack import pack_block32
+from tests.helpers.int4_rows import GEMV_ROWS, LAST_PANEL_ROW
 
 # (rows of x, rows of w, inputs, group): groups of 32 and whole rows, widths that leave a
 # scalar tail after the vectors, row counts around the kernel's tile of 8.
@@ -50,11 +51,6 @@ INT4_SHAPES = [(1, 64, 576, 32), (1, 37, 96, 32), (3, 50, 128, 16), (9, 10, 256,
                (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32),
                (6, 21, 128, 32), (13, 40, 192, 32),
                (32, 97, 576, 32), (45, 13, 288, 32), (127, 50, 160, 16), (128, 7, 64, 32)]
-# Rows up to which each build runs the GEMV (int4_linear.cpp's kGemvMaxRows); past them, up
-# to 127, the panel kernel (at::mm tiles in the generic build), whose rows do not depend on
-# the batch either (but round differently from the GEMV's, so the ranges are checked apart).
-GEMV_ROWS = {"avx512": 12, "avx2": 5, "generic": 16}
-LAST_PANEL_ROW = 127
 
 
 def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
