@@ -259,6 +259,23 @@ class LocalCluster:
         issued = self._ca.issue(name, (self.spec.host,))
         return [flags[0], issued.cert, flags[1], issued.key, flags[2], self._ca.ca_path]
 
+    def log_path(self, child: Child) -> Path | None:
+        """The file `child`'s stderr goes to (None: it is inherited)."""
+        return Path(self.spec.log_dir) / f"{child.name}.log" if self.spec.log_dir else None
+
+    def log_tail(self, child: Child, max_bytes: int = 4096) -> str:
+        """The end of `child`'s log ("" without a log dir): why a process exited, for the
+        supervisor's message."""
+        path = self.log_path(child)
+        if path is None:
+            return ""
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - max_bytes))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
+
     def _spawn(self, name: str, module: str, args: list[str]) -> Child:
         """Start a child process; nothing waits for it here."""
         stderr = None

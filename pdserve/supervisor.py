@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_TAIL_LINES = 20  # of a log, printed when its process exits
+
 
 @dataclass(frozen=True)
 class RestartPolicy:
@@ -103,6 +105,11 @@ class Supervisor:
             t.due = now + wait
             print(f"pdserve: {child.name} exited with code {child.proc.returncode}; "
                   f"restarting in {wait:.1f}s", flush=True)
+            tail = self.cluster.log_tail(child).rstrip()
+            if tail:  # why it exited: its stderr goes to a file, not to this terminal
+                lines = tail.splitlines()[-_TAIL_LINES:]
+                print(f"pdserve: the end of {self.cluster.log_path(child)}:", flush=True)
+                print("\n".join(f"  | {line}" for line in lines), flush=True)
             return
         if now >= t.due:
             t.due, t.started_at, t.announced = None, now, False

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from pdserve.launcher import pin_ports
+from pdserve.launcher import Child, ClusterSpec, LocalCluster, pin_ports
 from pdserve.supervisor import RestartPolicy, Supervisor
 
 
@@ -44,6 +44,13 @@ class FakeCluster:
         self.router = None
         self.children = [FakeChild("decode-0")]
         self.respawned = []
+        self.logs: dict[str, str] = {}
+
+    def log_path(self, child):
+        return f"/logs/{child.name}.log"
+
+    def log_tail(self, child):
+        return self.logs.get(child.name, "")
 
     def respawn(self, child):
         self.respawned.append(child.name)
@@ -82,3 +89,27 @@ def test_a_stopped_supervisor_respawns_nothing():
     sup.check(0.0)
     sup.check(1.0)
     assert cluster.respawned == []
+
+
+def test_an_exit_is_reported_with_the_end_of_the_childs_log(capsys):
+    cluster = FakeCluster()
+    cluster.logs["decode-0"] = "".join(f"line {i}\n" for i in range(30)) + "OSError: boom\n"
+    sup = Supervisor(cluster, RestartPolicy(initial_backoff_s=1.0))
+    sup.check(0.0)
+    cluster.children[0].proc.returncode = 1
+    sup.check(1.0)
+    out = capsys.readouterr().out
+    assert "decode-0 exited with code 1" in out
+    assert "/logs/decode-0.log" in out
+    assert "  | OSError: boom" in out and "  | line 11" in out
+    assert "line 10\n" not in out  # only the last lines
+
+
+def test_a_log_tail_is_the_end_of_the_file_and_empty_without_a_log_dir(tmp_path):
+    child = Child("decode-0", proc=None)
+    logged = LocalCluster(ClusterSpec(log_dir=str(tmp_path)))
+    (tmp_path / "decode-0.log").write_bytes(b"x" * 10_000 + b"\nthe reason\n")
+    assert logged.log_tail(child, max_bytes=100).endswith("x\nthe reason\n")
+    assert len(logged.log_tail(child, max_bytes=100)) == 100
+    assert LocalCluster(ClusterSpec()).log_tail(child) == ""
+    assert LocalCluster(ClusterSpec(log_dir=str(tmp_path / "none"))).log_tail(child) == ""
