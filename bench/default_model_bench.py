@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import print_table, write_json  # noqa: E402
 from pdserve.default_model import ensure_default_model, source_file  # noqa: E402
-from pdserve.serving.worker_base import READY_PREFIX  # noqa: E402
+from pdserve.serving.ready import READY_PREFIX  # noqa: E402
 
 _CHILD = r"""
 import json, sys, time

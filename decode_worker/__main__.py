@@ -19,13 +19,8 @@ from pdserve.serving.drain import DrainConfig, drain
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.index_link import open_index_link, worker_info
 from pdserve.serving.kv_transport import open_kv_transport
-from pdserve.serving.worker_base import (
-    announce_ready,
-    run_worker,
-    start_telemetry,
-    start_worker_server,
-    wait_for_signal,
-)
+from pdserve.serving.ready import announce_ready, wait_for_signal
+from pdserve.serving.worker_base import run_worker, start_telemetry, start_worker_server
 from pdserve.serving.worker_options import WorkerOptions
 
 

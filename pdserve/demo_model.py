@@ -25,10 +25,12 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+if TYPE_CHECKING:
+    import torch
 
 DEMO_MODEL_NAME = "demo-llama-40m-v1"
 CACHE_DIR_ENV = "PDSERVE_CACHE_DIR"
@@ -155,6 +157,8 @@ def make_config(**overrides: object) -> DemoModelConfig:
 
 def build_weights(config: DemoModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random fp32 weights with HF Llama parameter names, a pure function of (config, seed)."""
+    import torch  # here, not at the top: the router reads this module's paths, not weights
+
     gen = torch.Generator(device="cpu").manual_seed(seed)
     std = config.initializer_range
     # GPT-2 style: shrink the residual-branch outputs so activations do not grow with depth.
@@ -390,6 +394,8 @@ def write_demo_model(out_dir: str | Path, seed: int = 0, **overrides: object) ->
         "pad_token_id": hf_config["pad_token_id"],
     })
     write_tokenizer_files(out, config.vocab_size, config.max_position_embeddings)
+    from safetensors.torch import save_file
+
     save_file(build_weights(config, seed), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     return out

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdserve.serving.ready import READY_PREFIX
 from pdserve.serving.security import (
     CLUSTER_SECRET_ENV,
     ClientSecurity,
@@ -47,7 +48,6 @@ from pdserve.serving.security import (
 )
 from pdserve.serving.security.args import TLS_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
-from pdserve.serving.worker_base import READY_PREFIX
 from pdserve.serving.worker_options import REDIS_URL_ENV
 from pdserve.supervisor import RestartPolicy, Supervisor
 

@@ -42,9 +42,9 @@ from pdserve.observability.router_metrics import RouterMetrics
 from pdserve.observability.vllm_metrics import ClusterCollector, ClusterState
 from pdserve.proto import pb
 from pdserve.serving.grpc_server import start_server
+from pdserve.serving.ready import announce_ready, wait_for_signal
 from pdserve.serving.security import ClientSecurity, TLSError
 from pdserve.serving.security import args as security_args
-from pdserve.serving.worker_base import announce_ready, wait_for_signal
 from pdserve.serving.worker_options import REDIS_CA_ENV, REDIS_URL_ENV
 from router.admission import AdmissionConfig
 from router.auth import BearerAuthInterceptor

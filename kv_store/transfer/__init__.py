@@ -21,12 +21,29 @@ carries), `sender` / `receiver` (the two engines), `checks` (argument validation
 announced it: `new_ticket`).
 """
 
+from typing import TYPE_CHECKING
+
 from kv_store.transfer.auth import new_ticket
 from kv_store.transfer.config import TransferConfig
-from kv_store.transfer.receiver import KVReceiver, ReceiveSink
-from kv_store.transfer.sender import KVSender
 from kv_store.transfer.state import TransferError, TransferResult, TransferState
 from kv_store.transfer.wire import VERSION
+
+if TYPE_CHECKING:
+    from kv_store.transfer.receiver import KVReceiver, ReceiveSink
+    from kv_store.transfer.sender import KVSender
+
+# The engines (torch, torch.distributed) load on first use: a process that only configures
+# transfers (the router, `pdserve` commands) reads `TransferConfig` without them.
+_LAZY = {"KVReceiver": "receiver", "ReceiveSink": "receiver", "KVSender": "sender"}
+
+
+def __getattr__(name: str) -> object:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "VERSION",

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroupGloo
 
-from kv_store.transfer import wire
+from kv_store.transfer import carrier, wire
 from kv_store.transfer.auth import FrameAuth
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.wire import Header, ProtocolError
@@ -119,7 +119,7 @@ class Channel:
         with self._send_lock, self._closed_on_error(), self._on_device():
             self._settle()
             works = self._post_header(tag, wire.encode_header(header))
-            carriers = [wire.to_carrier(self._staged(p)) for p in payloads]  # alive until sent
+            carriers = [carrier.to_carrier(self._staged(p)) for p in payloads]  # alive until sent
             works += [self._group_for(c).send([c], self._peer, PAYLOAD_TAG) for c in carriers]
             for work in works:
                 work.wait(timedelta(seconds=timeout_s))
@@ -169,10 +169,10 @@ class Channel:
     def recv_payload(self, header: Header, timeout_s: float) -> torch.Tensor:
         """Receive the inline payload announced by a LAYER header, in the header's dtype."""
         with self._closed_on_error(), self._on_device():
-            buf = wire.empty_carrier(header.shape, header.dtype, self._device)
+            buf = carrier.empty_carrier(header.shape, header.dtype, self._device)
             self._group_for(buf).recv([buf], self._peer, PAYLOAD_TAG).wait(
                 timedelta(seconds=timeout_s))
-        return wire.from_carrier(buf, header.dtype)
+        return carrier.from_carrier(buf, header.dtype)
 
     def abort(self) -> None:
         """Close the pair now: every pending op on either end fails at once. Idempotent."""

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kv_store.transfer import wire
+from kv_store.transfer import carrier, wire
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.rendezvous import parse_address
 
@@ -44,7 +44,7 @@ def check_layer(
         raise ValueError(f"layer must be an int >= 0, got {layer!r}")
     if not isinstance(kv, torch.Tensor):
         raise TypeError(f"kv must be a torch.Tensor, got {type(kv).__name__}")
-    wire.dtype_name(kv.dtype)
+    carrier.dtype_name(kv.dtype)
     try:
         blocks = tuple(operator.index(b) for b in block_ids)
     except TypeError:

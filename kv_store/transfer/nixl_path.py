@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import torch
 
-from kv_store.transfer import auth, wire
+from kv_store.transfer import auth, carrier, wire
 from kv_store.transfer.channel import BACKWARD_TAG, FORWARD_TAG, Channel, ChannelClosed
 from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration, RemoteRead
@@ -291,7 +291,7 @@ class NixlSend:
         try:
             granted = self._wait_granted(time.monotonic() + timeout_s)
             for item in items:
-                payload = wire.to_carrier(item.payload)
+                payload = carrier.to_carrier(item.payload)
                 nbytes = payload.numel() * payload.element_size()
                 per_block = nbytes // max(len(item.header.blocks), 1)
                 if not granted or not 0 < per_block <= self._peer.slot_bytes \
@@ -421,7 +421,7 @@ class NixlReceive:
         if nbytes > self._pool.slot_bytes:
             raise ProtocolError(f"LAYER of {nbytes} bytes does not fit a slot")
         self._received += 1
-        return wire.carrier_view(self._pool.view(header.slot, nbytes), header.shape,
+        return carrier.carrier_view(self._pool.view(header.slot, nbytes), header.shape,
                                  header.dtype)
 
     def release(self, channel: Channel, parts: Sequence[Header], timeout_s: float) -> None:

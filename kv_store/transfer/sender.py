@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kv_store.transfer import auth, wire
+from kv_store.transfer import auth, carrier
 from kv_store.transfer.checks import check_body, check_layer, check_lease, check_request_id
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.nixl_agent import NixlAgent
@@ -130,7 +130,7 @@ class KVSender:
             rec = self._live_record(address, request_id, "send_layer", lease_s, ticket)
             if rec is not None:
                 header = Header(Kind.LAYER, rid=request_id, layer=layer, blocks=blocks,
-                                shape=tuple(kv.shape), dtype=wire.dtype_name(kv.dtype),
+                                shape=tuple(kv.shape), dtype=carrier.dtype_name(kv.dtype),
                                 head_start=head_start, lease_s=_left(rec))
                 self._enqueue(rec, Outgoing(auth.tagged(header, rec.ticket), kv,
                                             _ready_event(kv), rec.ticket),

@@ -31,7 +31,6 @@ from enum import Enum
 from typing import Any
 
 import msgpack
-import torch
 
 VERSION = 8
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
@@ -73,15 +72,15 @@ MAX_TAG_BYTES = 64
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""
 
-# name on the wire -> (dtype seen by callers, dtype moved by the backend)
-_DTYPES: dict[str, tuple[torch.dtype, torch.dtype]] = {
-    "float32": (torch.float32, torch.float32),
-    "bfloat16": (torch.bfloat16, torch.bfloat16),
-    "float16": (torch.float16, torch.float16),
-    "float8_e4m3fn": (torch.float8_e4m3fn, torch.uint8),
-    "uint8": (torch.uint8, torch.uint8),
+# name on the wire -> (name of the dtype the backend moves, bytes per element). The tensors
+# themselves are viewed in `carrier`: this module (framing) needs no torch.
+DTYPES: dict[str, tuple[str, int]] = {
+    "float32": ("float32", 4),
+    "bfloat16": ("bfloat16", 2),
+    "float16": ("float16", 2),
+    "float8_e4m3fn": ("uint8", 1),
+    "uint8": ("uint8", 1),
 }
-_NAMES = {dtype: name for name, (dtype, _) in _DTYPES.items()}
 
 
 class ProtocolError(RuntimeError):
@@ -281,8 +280,8 @@ def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
         raise ProtocolError(f"field 'shape' must be non-negative ints, got {shape}")
     if shape[0] != len(blocks):
         raise ProtocolError(f"field 'shape' {shape} does not match {len(blocks)} blocks")
-    if dtype not in _DTYPES:
-        raise ProtocolError(f"field 'dtype' {dtype!r} is not one of {sorted(_DTYPES)}")
+    if dtype not in DTYPES:
+        raise ProtocolError(f"field 'dtype' {dtype!r} is not one of {sorted(DTYPES)}")
     slot = _field(doc, "slot", int) if "slot" in doc else -1
     if slot < -1:
         raise ProtocolError(f"field 'slot' must be -1 or a slot index, got {slot}")
@@ -304,35 +303,5 @@ def _field(doc: dict[str, Any], name: str, kind: type) -> Any:
     return value
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """Wire name of a payload dtype; `ValueError` for dtypes the engine does not move."""
-    try:
-        return _NAMES[dtype]
-    except KeyError:
-        raise ValueError(f"kv dtype {dtype} is not one of {sorted(_DTYPES)}") from None
-
-
-def to_carrier(kv: torch.Tensor) -> torch.Tensor:
-    """Contiguous tensor in the dtype the backend moves (a view, or a copy if non-contiguous)."""
-    kv = kv.contiguous()
-    carrier = _DTYPES[dtype_name(kv.dtype)][1]
-    return kv if kv.dtype == carrier else kv.view(carrier)
-
-
-def empty_carrier(shape: tuple[int, ...], name: str, device: torch.device) -> torch.Tensor:
-    return torch.empty(shape, dtype=_DTYPES[name][1], device=device)
-
-
-def carrier_view(raw: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    """`raw` (contiguous uint8 bytes, exactly `payload_nbytes(shape, name)` of them) seen as
-    the payload of a LAYER header, in the header's dtype (a view: no copy)."""
-    return from_carrier(raw.view(_DTYPES[name][1]).view(shape), name)
-
-
-def from_carrier(buf: torch.Tensor, name: str) -> torch.Tensor:
-    dtype = _DTYPES[name][0]
-    return buf if buf.dtype == dtype else buf.view(dtype)
-
-
 def payload_nbytes(shape: tuple[int, ...], name: str) -> int:
-    return math.prod(shape) * _DTYPES[name][1].itemsize
+    return math.prod(shape) * DTYPES[name][1]

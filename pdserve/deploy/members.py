@@ -19,10 +19,11 @@ from typing import Any
 
 from pdserve.deploy import placement, reconcile
 from pdserve.deploy.actors import MAX_CONCURRENCY, ProcessActor, RankHolder
-from pdserve.deploy.process import CLUSTER_SECRET_ENV, REDIS_URL_ENV
 from pdserve.deploy.reconcile import Phase
 from pdserve.deploy.spec import RayClusterSpec
 from pdserve.deploy.status import ProcessStatus
+from pdserve.serving.security.secret import CLUSTER_SECRET_ENV
+from pdserve.serving.worker_options import REDIS_URL_ENV
 
 CALL_TIMEOUT_S = 10.0
 """Longest wait for a quick actor call (poll, node, stats, tail)."""

@@ -30,13 +30,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-READY_PREFIX = "PDSERVE_READY "
-"""`pdserve.serving.worker_base.READY_PREFIX`, spelled out: that module imports torch, which a
-supervising actor has no use for (a test pins the two together)."""
-REDIS_URL_ENV = "PDSERVE_REDIS_URL"
-"""`pdserve.serving.worker_options.REDIS_URL_ENV` (same reason, same test)."""
-CLUSTER_SECRET_ENV = "PDSERVE_CLUSTER_SECRET"
-"""`pdserve.serving.security.CLUSTER_SECRET_ENV` (same reason, same test)."""
+from pdserve.serving.ready import READY_PREFIX
+
 TAIL_LINES = 40
 """Lines of stderr kept for error messages and `pdserve ray logs`."""
 _PR_SET_PDEATHSIG = 1

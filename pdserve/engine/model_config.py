@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.moe_config import MoEConfig, moe_config_from_dict
+
+if TYPE_CHECKING:
+    import torch
 
 # architecture name -> family; the family decides the few structural differences.
 SUPPORTED_ARCHITECTURES = {
@@ -31,23 +32,20 @@ SUPPORTED_ARCHITECTURES = {
 _MLA_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+_DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+           "half": "float16", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+"""Accepted spellings -> torch's name: the dtype is looked up only when parsed, so reading a
+checkpoint's configuration (the router does) needs no torch."""
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(value, torch.dtype):
         return value
     if value not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {value!r}")
-    return _DTYPES[value]
+    return getattr(torch, _DTYPES[value])
 
 
 @dataclass(frozen=True)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pdserve.engine.finish import FinishReason
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.structured.spec import ConstraintKind, StructuredOutput
 from pdserve.proto import pb
+
+if TYPE_CHECKING:
+    from pdserve.engine.sampler import TokenLogprobs
 
 _OPTIONAL_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                     "repetition_penalty", "presence_penalty", "frequency_penalty", "seed",

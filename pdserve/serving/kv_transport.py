@@ -17,10 +17,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from kv_store.transfer.nixl_agent import NixlAgent, NixlUnavailable
+if TYPE_CHECKING:
+    from kv_store.transfer.nixl_agent import NixlAgent
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +39,16 @@ def check_kv_transport(name: str) -> str:
     if name not in KV_TRANSPORTS:
         raise ValueError(f"--kv-transport must be one of {', '.join(KV_TRANSPORTS)}, got "
                          f"{name!r}")
-    if name == "nccl" and not torch.cuda.is_available():
+    if name == "nccl" and not _cuda_available():
         raise ValueError("--kv-transport nccl needs CUDA KV caches: no CUDA device here "
                          "(use nixl or gloo)")
     return name
+
+
+def _cuda_available() -> bool:
+    import torch  # only for nccl: the flag is checked by processes that never load torch
+
+    return torch.cuda.is_available()
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,8 @@ def open_kv_transport(requested: str, host: str) -> KVTransport:
     check_kv_transport(requested)
     if requested != "nixl":
         return KVTransport(requested, requested)
+    from kv_store.transfer.nixl_agent import NixlAgent, NixlUnavailable
+
     try:
         return KVTransport(requested, "auto", NixlAgent(host))
     except NixlUnavailable as exc:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import faulthandler
-import json
 import logging
 import os
 import signal
@@ -36,7 +35,6 @@ from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
 log = logging.getLogger(__name__)
-READY_PREFIX = "PDSERVE_READY "
 
 
 class WorkerServicerBase(worker_pb_grpc.WorkerServicer):
@@ -156,26 +154,12 @@ def start_telemetry(options: WorkerOptions, service: WorkerServicerBase) -> Work
                            sec.metrics_tokens)
 
 
-def announce_ready(info: dict) -> None:
-    print(READY_PREFIX + json.dumps(info, sort_keys=True), flush=True)
-
-
 def configure_process(options: WorkerOptions) -> None:
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1)  # `kill -USR1 PID` dumps every thread's stack
     configure_logging(options.role, options.worker_id, os.environ)
     if options.threads > 0:
         torch.set_num_threads(options.threads)
-
-
-async def wait_for_signal(cleanup: Callable[[], Awaitable[None]]) -> None:
-    """Serve until SIGINT/SIGTERM, then run `cleanup` once."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    await cleanup()
 
 
 async def start_worker_server(options: WorkerOptions, service: WorkerServicerBase,

@@ -11,13 +11,12 @@ Its environment can make it misbehave like a real process does:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import threading
 
-READY_PREFIX = "PDSERVE_READY "
+from pdserve.serving.ready import announce_ready
 
 
 def main() -> None:
@@ -39,7 +38,7 @@ def main() -> None:
             "threads": int(a.threads), "metrics_address": f"{a.host}:2",
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "has_redis_url": bool(os.environ.get("PDSERVE_REDIS_URL"))}
-    print(READY_PREFIX + json.dumps(info), flush=True)
+    announce_ready(info)
     stop.wait()
 
 

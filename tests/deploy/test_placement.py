@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from pdserve.deploy import placement, process
+from pdserve.deploy import placement
 from pdserve.deploy.process import ManagedProcess, ProcessState
 from pdserve.deploy.spec import PoolSpec, RayClusterSpec, RouterSpec
 
@@ -79,16 +79,6 @@ def process_spec_constants() -> tuple[float, float]:
     from pdserve.deploy import spec
 
     return spec.WORKER_DRAIN_NOTICE_S, spec.WORKER_DRAIN_TIMEOUT_S
-
-
-def test_constants_spelled_out_match_the_workers():
-    from pdserve.serving.security import CLUSTER_SECRET_ENV
-    from pdserve.serving.worker_base import READY_PREFIX
-    from pdserve.serving.worker_options import REDIS_URL_ENV
-
-    assert process.READY_PREFIX == READY_PREFIX
-    assert process.REDIS_URL_ENV == REDIS_URL_ENV
-    assert process.CLUSTER_SECRET_ENV == CLUSTER_SECRET_ENV
 
 
 def test_managed_process_reads_ready_and_stops_with_sigterm():

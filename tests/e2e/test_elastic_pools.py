@@ -20,7 +20,7 @@ import redis
 from kv_store.index.redis_common import Keys, RedisIndexConfig
 from pdserve.client import AsyncClient, Client, Unavailable
 from pdserve.engine import LLM
-from pdserve.serving.worker_base import READY_PREFIX
+from pdserve.serving.ready import READY_PREFIX
 from tests.helpers.checkpoints import VOCAB
 from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
 from tests.helpers.engine import greedy_ids, random_prompts

@@ -13,7 +13,8 @@ import torch
 from pdserve.engine.checkpoint import open_checkpoint
 from pdserve.engine.checkpoint.gguf_file import GGUFCheckpoint
 from pdserve.engine.checkpoint.gguf_int4 import int4_from_blocks
-from pdserve.engine.checkpoint.gguf_weights import SUPPORTED_TYPES, hf_row_order, load_tensor
+from pdserve.engine.checkpoint.gguf_names import SUPPORTED_TYPES
+from pdserve.engine.checkpoint.gguf_weights import hf_row_order, load_tensor
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import save_tiny
 from tests.helpers.gguf_files import (

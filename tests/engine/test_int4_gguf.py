@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pdserve.engine import LLM, SamplingParams
-from pdserve.engine.checkpoint.gguf_weights import is_linear as is_linear_gguf
+from pdserve.engine.checkpoint.gguf_names import is_linear as is_linear_gguf
 from pdserve.engine.layers.linear import LinearBase
 from pdserve.engine.quant.int4_weight import Int4Weight
 from tests.helpers.checkpoints import VOCAB, save_tiny

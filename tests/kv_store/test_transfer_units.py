@@ -14,6 +14,7 @@ from kv_store.transfer import (
     TransferConfig,
     TransferState,
     auth,
+    carrier,
     coalesce,
     rendezvous,
     state,
@@ -168,10 +169,10 @@ def test_garbage_is_a_protocol_error():
                                    torch.float8_e4m3fn, torch.uint8])
 def test_payload_carrier_preserves_bytes(dtype):
     kv = (torch.randn(3, 2, 2, 4, 8) * 8).to(dtype)
-    name = wire.dtype_name(dtype)
-    carrier = wire.to_carrier(kv)
-    assert carrier.dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.float16)
-    back = wire.from_carrier(carrier.clone(), name)
+    name = carrier.dtype_name(dtype)
+    moved = carrier.to_carrier(kv)
+    assert moved.dtype in (torch.uint8, torch.float32, torch.bfloat16, torch.float16)
+    back = carrier.from_carrier(moved.clone(), name)
     assert back.dtype == dtype and back.shape == kv.shape
     assert torch.equal(back.view(torch.uint8), kv.view(torch.uint8))
     assert wire.payload_nbytes(tuple(kv.shape), name) == kv.numel() * kv.element_size()
@@ -179,7 +180,7 @@ def test_payload_carrier_preserves_bytes(dtype):
 
 def test_unsupported_dtype_is_refused():
     with pytest.raises(ValueError, match="kv dtype"):
-        wire.dtype_name(torch.int64)
+        carrier.dtype_name(torch.int64)
 
 
 def test_state_machine_allows_only_the_drawn_edges():

@@ -23,11 +23,11 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
-
 from pdserve.engine.model_config import ModelConfig
 
 if TYPE_CHECKING:
+    import torch
+
     from pdserve.engine.quant.int4_weight import Int4Weight
     from pdserve.tokenizer import Tokenizer
 

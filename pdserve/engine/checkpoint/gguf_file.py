@@ -17,27 +17,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pdserve.engine.checkpoint.base import Checkpoint
 from pdserve.engine.checkpoint.gguf_config import model_config_from_gguf
-from pdserve.engine.checkpoint.gguf_int4 import INT4_TYPES
-from pdserve.engine.checkpoint.gguf_tokenizer import GGUFVocab, build_tokenizer
-from pdserve.engine.checkpoint.gguf_weights import (
+from pdserve.engine.checkpoint.gguf_names import (
     CONFIG_TENSORS,
     PERMUTED_ARCHITECTURES,
     SUPPORTED_TYPES,
-    dense,
     hf_name,
     is_linear,
-    load_tensor,
     rotary_heads,
 )
+from pdserve.engine.checkpoint.gguf_tokenizer import GGUFVocab, build_tokenizer
 from pdserve.engine.model_config import ModelConfig
-from pdserve.engine.quant.int4_weight import Int4Weight
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdserve.engine.quant.int4_weight import Int4Weight
+
+# The weight loaders (torch) are imported where weights are read: the configuration and the
+# tokenizer (all the router reads) need only the file's metadata.
 
 _TOKENIZER_ARRAYS = ("tokens", "token_type", "merges", "scores")
 _SMALL_ARRAY = 1024  # arrays longer than this stay in the file (only their length is read)
@@ -109,6 +111,8 @@ class GGUFCheckpoint(Checkpoint):
     def _read_model_config(self) -> ModelConfig:
         tensors = self.tensors
         freqs = tensors.get("rope_freqs.weight")
+        if freqs is not None:
+            from pdserve.engine.checkpoint.gguf_weights import dense
         factors = () if freqs is None else tuple(dense(freqs.data, freqs.tensor_type.name,
                                                        self._shape(freqs)).tolist())
         shapes = {name: self._shape(t) for name, t in tensors.items()}
@@ -143,6 +147,8 @@ class GGUFCheckpoint(Checkpoint):
 
     def iter_weights(self, prefer_int4: bool = False
                      ) -> Iterator[tuple[str, torch.Tensor | Int4Weight]]:
+        from pdserve.engine.checkpoint.gguf_weights import load_tensor
+
         cfg = self.model_config
         permuted = self.metadata["general.architecture"] in PERMUTED_ARCHITECTURES
         for name, t in self.tensors.items():
@@ -157,6 +163,8 @@ class GGUFCheckpoint(Checkpoint):
         # A Q4_0 / Q4_1 / Q4_K file is a 4-bit checkpoint, as llama.cpp and vLLM serve it; a
         # file mixing in other types (Q5_K, Q6_K, Q8_0 layers) keeps them dense instead of
         # re-quantising them to 4 bits, so it runs dense unless int4 is asked for.
+        from pdserve.engine.checkpoint.gguf_int4 import INT4_TYPES
+
         kinds = {t.tensor_type.name for name, t in self.tensors.items() if is_linear(name)}
         return "int4" if kinds and kinds <= INT4_TYPES else None
 

@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
 
 from pdserve.engine.checkpoint.base import Checkpoint
 from pdserve.engine.model_config import ModelConfig
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class HFCheckpoint(Checkpoint):
