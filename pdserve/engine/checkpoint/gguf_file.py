@@ -111,10 +111,12 @@ class GGUFCheckpoint(Checkpoint):
     def _read_model_config(self) -> ModelConfig:
         tensors = self.tensors
         freqs = tensors.get("rope_freqs.weight")
-        if freqs is not None:
+        factors: tuple[float, ...] = ()
+        if freqs is not None:  # rope scaling factors (Llama 3): the one tensor config reads
             from pdserve.engine.checkpoint.gguf_weights import dense
-        factors = () if freqs is None else tuple(dense(freqs.data, freqs.tensor_type.name,
-                                                       self._shape(freqs)).tolist())
+
+            factors = tuple(dense(freqs.data, freqs.tensor_type.name,
+                                  self._shape(freqs)).tolist())
         shapes = {name: self._shape(t) for name, t in tensors.items()}
         return model_config_from_gguf(self.metadata, shapes, factors,
                                       self._float_dtype(), sorted(self.eos_token_ids))
