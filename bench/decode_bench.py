@@ -15,6 +15,8 @@ machine's noise hits all alike; medians of the repeats, ratios within a repeat):
   (the previous engine's path);
 - `invariant`: `default` with `batch_invariant=True` (every row through the int4 GEMV and the
   C++ attention, whatever the batch): what the mode costs;
+- `python-layers`: `default` with the flat decode loop's layers run from Python
+  (`FlatDecode(native=False)`), the baseline for the C++ loop (`kernels/cpu/flat_decoder.cpp`);
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
 
 Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
@@ -43,6 +45,7 @@ from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
 from bench.engine_bench import workload  # noqa: E402
 from pdserve.default_model import ensure_default_model, source_file  # noqa: E402
 from pdserve.engine import LLM, SamplingParams  # noqa: E402
+from pdserve.engine.flat_decode import FlatDecode  # noqa: E402
 
 DENSE = {"quantization": "none"}
 ENGINES = {
@@ -51,7 +54,9 @@ ENGINES = {
     "inductor": {**DENSE, "compile_decode": "inductor"},
     "reference": {**DENSE, "attention_backend": "torch"},
     "invariant": {"batch_invariant": True},
+    "python-layers": {},
 }
+PYTHON_LAYERS = "python-layers"
 
 
 def load_hf():
@@ -126,6 +131,9 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
         if hf is not None and name != "hf":
             row["vs_hf"] = statistics.median(h / t for h, t in zip(times["hf"], ts,
                                                                     strict=True))
+        if times.get(PYTHON_LAYERS) and name != "hf":
+            row["vs_py_layers"] = statistics.median(
+                p / t for p, t in zip(times[PYTHON_LAYERS], ts, strict=True))
         rows.append(row)
     return rows, {"memcpy_GB_s": statistics.median(copies) / 1e9, "times_s": times}
 
@@ -146,6 +154,9 @@ def main() -> None:
     kv_gb = a.kv_gb or (0.15 if a.batches == [1] else 1.0)  # batch 32 holds ~20k tokens
     engines = {n: LLM(str(model), dtype="float32", enable_prefix_caching=False,
                       kv_cache_memory_gb=kv_gb, **ENGINES[n]) for n in a.configs}
+    if PYTHON_LAYERS in engines:
+        runner = engines[PYTHON_LAYERS].engine.runner
+        runner.decode_step = FlatDecode(runner.model, native=False)
     hf = None if a.skip_hf else load_hf()
     warm = workload(32)
     for name, llm in engines.items():  # compile (inductor) and warm every engine first
@@ -163,7 +174,7 @@ def main() -> None:
                                 extra["memcpy_GB_s"])
             result["bandwidth"] = bw
     print(f"\nDecode, SmolLM2-135M-Instruct, {a.threads} threads, medians of {a.repeats}")
-    print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "same_greedy"])
+    print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "vs_py_layers", "same_greedy"])
     if bw:
         print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
         print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])

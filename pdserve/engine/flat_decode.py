@@ -14,8 +14,16 @@ without tensor parallelism, on the CPU in fp32 with pdserve's C++ layer ops. A s
 when its attention is the C++ paged kernel's alone (`CpuPagedAttention.kernel_rows`); any
 other step, or model, runs the modules' forward (`EagerDecode`'s).
 
-Lifecycle: UNBUILT --first decode step--> FLAT (the table is built from the loaded weights),
-or --a part without a flat form--> EAGER for good.
+The layers run in one of two forms, the same ops in the same order either way:
+- NATIVE: one call into C++ for all the layers (`FlatDecoder`, kernels/cpu/flat_decoder.cpp),
+  where every linear describes its forward as data (`LinearBase.native_forward`: dense, or
+  pdserve's 4-bit kernels). At batch 1 on the real model that removes ~500 Python-side op calls
+  a step.
+- FLAT: the Python loop over the table (`_python_layers`), for linears with only a bound
+  callable (torch's own int4 kernels), or with `native=False`.
+
+Lifecycle: UNBUILT --first decode step--> NATIVE or FLAT (the table is built from the loaded
+weights), or --a part without a flat form--> EAGER for good.
 """
 
 from __future__ import annotations
@@ -30,11 +38,13 @@ import torch.nn.functional as F
 from pdserve.engine.attention.cpu_backend import CpuPagedAttention
 from pdserve.engine.decode_step import EagerDecode
 from pdserve.engine.layers.linear import Matmul
+from pdserve.engine.layers.native import NativeLinear
 from pdserve.engine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 
 
 class FlatState(enum.Enum):
     UNBUILT = "unbuilt"
+    NATIVE = "native"
     FLAT = "flat"
     EAGER = "eager"
 
@@ -57,6 +67,9 @@ class FlatLayer:
     head_dim: int
     scale: float
     window: int
+    native: tuple[NativeLinear, ...] | None
+    """qkv, o, gate_up, down as data (`LinearBase.native_forward`), or None where one has no
+    such form."""
 
 
 def flat_layers(model: torch.nn.Module) -> list[FlatLayer] | None:
@@ -70,18 +83,38 @@ def flat_layers(model: torch.nn.Module) -> list[FlatLayer] | None:
                 or type(layer.mlp) is not MLP):
             return None
         attn, mlp = layer.self_attn, layer.mlp
-        mm = [lin.flat_forward() for lin in
-              (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        mm = [lin.flat_forward() for lin in linears]
         if any(m is None for m in mm):
             return None
+        native = tuple(lin.native_forward() for lin in linears)
         q_size = attn.num_heads * attn.head_dim
         kv_size = attn.num_kv_heads * attn.head_dim
         out.append(FlatLayer(
             layer.input_layernorm.weight, layer.input_layernorm.eps, mm[0],
             (q_size, kv_size, kv_size), mm[1], layer.post_attention_layernorm.weight,
             layer.post_attention_layernorm.eps, mm[2], mm[3], attn.num_heads,
-            attn.num_kv_heads, attn.head_dim, attn.scale, attn.window or 0))
+            attn.num_kv_heads, attn.head_dim, attn.scale, attn.window or 0,
+            None if None in native else native))
     return out
+
+
+def native_decoder(layers: Sequence[FlatLayer]):
+    """`layers` as one C++ `FlatDecoder`, or None when a linear has no native form or the
+    attention library (whose ops it calls) did not build."""
+    from pdserve.kernels.cpu import load_ops
+
+    if any(layer.native is None for layer in layers) or load_ops() is None:
+        return None
+    decoder = torch.classes.pdserve_layers.FlatDecoder()
+    for layer in layers:
+        qkv, o, gate_up, down = (
+            decoder.add_linear(int(m.kind), list(m.tensors), m.group, m.bias, m.post_bias)
+            for m in layer.native)
+        decoder.add_layer(layer.input_norm, layer.input_eps, qkv, layer.qkv_sizes[0],
+                          layer.qkv_sizes[1], o, layer.post_norm, layer.post_eps, gate_up, down,
+                          layer.heads, layer.kv_heads, layer.head_dim, layer.scale, layer.window)
+    return decoder
 
 
 def _layer_ops():
@@ -94,23 +127,35 @@ class FlatDecode(EagerDecode):
     """The eager decode step (`decode_step.py`): the flat loop where it applies, else the
     modules' forward."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, native: bool = True) -> None:
         super().__init__(model)
         self.state = FlatState.UNBUILT
+        self.native = native
+        """False keeps the layers in Python (FLAT) even where C++ could run them."""
         self.flat_steps = 0
         """Decode steps the flat loop ran (the others ran the modules' forward)."""
         self._layers: Sequence[FlatLayer] = ()
         self._ops = None
+        self._decoder = None
 
     def __call__(self, input_ids, positions, caches, meta, backend) -> torch.Tensor:
         rows = self._kernel_rows(backend, caches, meta, input_ids)
         if rows is None:
             return super().__call__(input_ids, positions, caches, meta, backend)
         self.flat_steps += 1
-        model, ops, kernels = self.model, self._ops, backend.ops
+        model = self.model
         x = model.embed_tokens(input_ids)
         rope = model.rotary.at(positions, x.dtype)
-        t = x.shape[0]
+        if self._decoder is not None:
+            x = self._decoder.forward(x, rope.cos, rope.sin, list(caches), meta.slot_mapping,
+                                      meta.block_tables, meta.seq_lens_t, meta.query_start_t,
+                                      rows)
+        else:
+            x = self._python_layers(x, rope, caches, meta, backend.ops, rows)
+        return model.norm(x)
+
+    def _python_layers(self, x, rope, caches, meta, kernels, rows) -> torch.Tensor:
+        ops, t = self._ops, x.shape[0]
         for layer, cache in zip(self._layers, caches, strict=True):
             h = ops.rms_norm(x, layer.input_norm, layer.input_eps)
             q, k, v = layer.qkv(h).split(layer.qkv_sizes, dim=-1)
@@ -125,13 +170,14 @@ class FlatDecode(EagerDecode):
                                     layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
-        return model.norm(x)
+        return x
 
     def _kernel_rows(self, backend, caches, meta, input_ids) -> torch.Tensor | None:
         """This step's rows for the paged kernel when the flat loop runs it, else None."""
         if self.state is FlatState.UNBUILT:
             self._build(input_ids)
-        if self.state is not FlatState.FLAT or not isinstance(backend, CpuPagedAttention):
+        if (self.state not in (FlatState.NATIVE, FlatState.FLAT)
+                or not isinstance(backend, CpuPagedAttention)):
             return None
         return backend.kernel_rows(caches[0], meta)
 
@@ -143,3 +189,7 @@ class FlatDecode(EagerDecode):
             self.state = FlatState.EAGER
             return
         self._layers, self._ops, self.state = layers, ops, FlatState.FLAT
+        if self.native:
+            self._decoder = native_decoder(layers)
+            if self._decoder is not None:
+                self.state = FlatState.NATIVE

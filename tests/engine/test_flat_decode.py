@@ -1,8 +1,9 @@
 """The flat decode loop (`engine/flat_decode.py`) gives the modules' forward's bits.
 
-Each model runs the same mixed batch twice, once with the engine's default decode step (the
-flat loop where it applies) and once with the modules' forward (`EagerDecode`): every token and
-every logprob is equal, and the flat loop did run the decode steps. Llama (dense fp32), Qwen2
+Each model runs the same mixed batch three times: with the engine's default decode step (the
+flat loop where it applies, its layers in C++), with the loop's layers in Python, and with the
+modules' forward (`EagerDecode`): every token and every logprob is equal, and the flat loop,
+in the form asked for, did run the decode steps. Llama (dense fp32), Qwen2
 (biases on q/k/v), Mistral (a sliding window shorter than the contexts) and a Q4_1 GGUF (the
 4-bit kernels, both modes) qualify; Qwen3 (q/k norms) and the torch attention backend do not,
 and run the modules' forward."""
@@ -29,11 +30,14 @@ def _params() -> list[SamplingParams]:
             for i in range(len(LENGTHS))]
 
 
-def _run(model: str, eager: bool, **options) -> tuple[list, FlatDecode | None]:
+def _run(model: str, eager: bool, native: bool = True,
+         **options) -> tuple[list, FlatDecode | None]:
     llm = LLM(model, dtype="float32", enable_prefix_caching=False, **options)
     runner = llm.engine.runner
     if eager:
         runner.decode_step = EagerDecode(runner.model)
+    elif not native:
+        runner.decode_step = FlatDecode(runner.model, native=False)
     outs = llm.generate(random_prompts(LENGTHS, VOCAB, seed=3), _params())
     assert_idle(llm)
     numbers = [(o.token_ids, [(lp.logprob, lp.top) for lp in o.logprobs]) for o in outs]
@@ -41,10 +45,15 @@ def _run(model: str, eager: bool, **options) -> tuple[list, FlatDecode | None]:
 
 
 def _assert_flat_gives_eager_bits(model: str, **options) -> None:
-    flat, step = _run(model, eager=False, **options)
-    assert isinstance(step, FlatDecode) and step.state is FlatState.FLAT
+    """The C++ layers, the Python layers and the modules give the same numbers."""
+    native, step = _run(model, eager=False, **options)
+    assert isinstance(step, FlatDecode) and step.state is FlatState.NATIVE
     assert step.flat_steps > 10
-    assert flat == _run(model, eager=True, **options)[0]
+    flat, step = _run(model, eager=False, native=False, **options)
+    assert step.state is FlatState.FLAT and step.flat_steps > 10
+    eager = _run(model, eager=True, **options)[0]
+    assert native == eager
+    assert flat == eager
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
@@ -74,3 +83,10 @@ def test_a_model_or_backend_without_a_flat_form_runs_the_modules(tmp_path):
     llama = str(save_tiny(tmp_path / "llama", "llama", seed=24))
     step = _run(llama, eager=False, attention_backend="torch")[1]
     assert step.flat_steps == 0
+
+
+def test_linears_without_a_native_form_keep_the_python_layers(q4_gguf):
+    # torch's own int4 kernels offer a bound callable only: the loop runs, in Python.
+    flat, step = _run(q4_gguf, eager=False, int4_kernel="cpu-torch")
+    assert step.state is FlatState.FLAT and step.flat_steps > 10
+    assert flat == _run(q4_gguf, eager=True, int4_kernel="cpu-torch")[0]

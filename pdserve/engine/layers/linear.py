@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.layers.native import NativeKind, NativeLinear
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.int4_weight import Int4Weight
 
@@ -75,6 +76,13 @@ class LinearMethod:
             return None
         return functools.partial(F.linear, weight=layer.weight, bias=bias)
 
+    def native_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> NativeLinear | None:
+        """`flat_matmul`'s call as data, for the C++ decode loop (`layers/native.py`), or
+        None where a method has no such form."""
+        if type(self) is not LinearMethod:
+            return None
+        return NativeLinear(NativeKind.DENSE, (layer.weight,), bias=bias)
+
     def finalize(self, layer: nn.Module) -> None:
         """Called once after all weights are loaded (quantise, repack, ...)."""
 
@@ -103,6 +111,10 @@ class LinearBase(nn.Module):
         """This layer's forward for a 2-D x as one bound call, or None (tensor parallelism,
         or a method without a flat form): see `LinearMethod.flat_matmul`."""
         return self.method.flat_matmul(self, self.bias) if self.tp.size == 1 else None
+
+    def native_forward(self) -> NativeLinear | None:
+        """`flat_forward` as data (`layers/native.py`), or None."""
+        return self.method.native_matmul(self, self.bias) if self.tp.size == 1 else None
 
 
 class ReplicatedLinear(LinearBase):
@@ -211,6 +223,12 @@ class RowParallelLinear(LinearBase):
             return mm
         bias = self.bias
         return lambda x: mm(x) + bias  # added after the product, as forward does
+
+    def native_forward(self) -> NativeLinear | None:
+        mm = self.method.native_matmul(self, None) if self.tp.size == 1 else None
+        if mm is None or self.bias is None:
+            return mm
+        return replace(mm, post_bias=self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias joins after the reduction so it is added once, not once per rank.

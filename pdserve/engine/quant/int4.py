@@ -20,10 +20,13 @@ act-order weight (`column_order`) permutes the input features before the matmul.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
 from pdserve.engine.layers.linear import LinearMethod, Loaded, Matmul, Shard
+from pdserve.engine.layers.native import NativeLinear
 from pdserve.engine.quant.int4_kernels import Int4Matmul, build_int4_matmul
 from pdserve.engine.quant.int4_quantize import (
     DEFAULT_GROUP_SIZE,
@@ -109,6 +112,10 @@ class Int4LinearMethod(LinearMethod):
             return None
         mm = self.kernel.matmul
         return mm if bias is None else (lambda x: mm(x) + bias)
+
+    def native_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> NativeLinear | None:
+        native = self.kernel.native() if self.column_order is None else None
+        return native if native is None or bias is None else replace(native, post_bias=bias)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 [N, K] weight the layer multiplies by, in input-feature order."""

@@ -35,6 +35,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from pdserve.engine.config import INT4_KERNELS
+from pdserve.engine.layers.native import NativeKind, NativeLinear
 from pdserve.engine.quant.int4_weight import Int4Weight
 from pdserve.kernels.int4_pack import dequantize_packed, pack_block32, pack_nibbles
 
@@ -65,9 +66,14 @@ class Int4Matmul(ABC):
     def nbytes(self) -> int:
         """Bytes the packed weight, its scales and offsets take."""
 
+    def native(self) -> NativeLinear | None:
+        """`matmul` as data for the C++ decode loop (`layers/native.py`), or None."""
+        return None
+
 
 class CpuInt4(Int4Matmul):
     name = "cpu"
+    native_kind = NativeKind.INT4
 
     def __init__(self, weight: Int4Weight, ops) -> None:
         super().__init__(weight)
@@ -88,12 +94,17 @@ class CpuInt4(Int4Matmul):
     def dequantize(self) -> torch.Tensor:
         return self.ops.int4_dequantize(self.packed, self.scale, self.offset, self.group_size)
 
+    def native(self) -> NativeLinear | None:
+        return NativeLinear(self.native_kind, (self.packed, self.scale, self.offset),
+                            self.group_size)
+
     def nbytes(self) -> int:
         return _bytes(self.packed, self.scale, self.offset)
 
 
 class CpuRowwiseInt4(CpuInt4):
     name = "cpu-invariant"
+    native_kind = NativeKind.INT4_ROWWISE
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.int4_linear_rowwise(x.float(), self.packed, self.scale, self.offset,

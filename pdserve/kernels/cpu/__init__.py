@@ -31,7 +31,8 @@ import torch
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
 LAYER_SOURCES = (Path(__file__).with_name("int8_linear.cpp"),
                  Path(__file__).with_name("int4_linear.cpp"),
-                 Path(__file__).with_name("layer_ops.cpp"))
+                 Path(__file__).with_name("layer_ops.cpp"),
+                 Path(__file__).with_name("flat_decoder.cpp"))
 ISAS = ("avx512", "avx2", "generic")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2",
                          "-mfma", "-mf16c"],
