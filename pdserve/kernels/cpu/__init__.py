@@ -6,14 +6,15 @@
     quant = load_layer_ops()   # torch.ops.pdserve_layers, or None
     quant.int8_linear(x, w_int8, scale)                   # -> x @ dequant(w)^T, fp32
     quant.int4_linear(x, packed, scale, offset, group)    # -> x @ dequant(w)^T, fp32
+    torch.classes.pdserve_layers.FlatDecoder()           # the decode loop's layers in C++
 
-The sources (`paged_attention.cpp`; `int8_linear.cpp` and `int4_linear.cpp` as a library of
-their own, built with AVX-512 where the CPU has it) are compiled by
-`torch.utils.cpp_extension.load` with gcc (-O3, OpenMP through torch's own pool, AVX2/FMA
-where the CPU has them) into torch's extension
-cache (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions); later processes load the
-cached library in milliseconds. A failed build (no compiler, no ninja) is reported once as a
-warning and `load_ops()` returns None: callers fall back to the torch reference.
+The sources (`paged_attention.cpp`; `int8_linear.cpp`, `int4_linear.cpp`, `layer_ops.cpp` and
+`flat_decoder.cpp` as a library of their own, built with AVX-512 where the CPU has it) are
+compiled by `torch.utils.cpp_extension.load` with gcc (-O3, OpenMP through torch's own pool,
+AVX2/FMA where the CPU has them) into torch's extension cache (`$TORCH_EXTENSIONS_DIR`, default
+~/.cache/torch_extensions); later processes load the cached library in milliseconds. A failed
+build (no compiler, no ninja) is reported once as a warning and `load_ops()` returns None:
+callers fall back to the torch reference.
 
     python -m pdserve.kernels.cpu      # build now (an image's install step), print where
 """
