@@ -29,6 +29,8 @@ def batch_ladder(max_batch: int) -> list[int]:
 
 
 class CudaGraphDecode:
+    any_step = False  # graphs are captured for decode-only batches
+
     def __init__(self, model: torch.nn.Module, device: torch.device, *, max_batch: int = 64,
                  max_blocks: int = 256, max_seq_len: int = 4096) -> None:
         self.model = model

@@ -2,7 +2,8 @@
 
 A decode-only step (every request brings one query token) is the hot loop of a decode
 worker: the same short sequence of ops for every step, over a batch that changes slowly.
-Mixed and prefill steps always run eager.
+Mixed and prefill steps run eager: through the modules, or through `FlatDecode` where
+every query row is the C++ attention's (`any_step`).
 
 - `EagerDecode`: the model's forward as written; `FlatDecode` (`flat_decode.py`, the CPU's
   default where the model qualifies) runs the same ops without the module tree's Python.
@@ -34,6 +35,11 @@ Forward = Callable[..., torch.Tensor]
 
 
 class EagerDecode:
+    any_step = True
+    """It may run any step without a layer hook, not only decode-only ones: it is the
+    modules' forward, and `FlatDecode` checks what its loop needs (every query row the C++
+    attention's, as a speculative verification or a short prompt chunk has them)."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
@@ -53,6 +59,8 @@ def _call_layer(layer, rope, x, cache, meta, backend):
 
 class CompiledDecode:
     """Every layer through one torch.compile'd function; eager for good on any failure."""
+
+    any_step = False  # decode-only steps: the trace specialises on one query token a request
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -133,7 +133,10 @@ class FlatDecode(EagerDecode):
         self.native = native
         """False keeps the layers in Python (FLAT) even where C++ could run them."""
         self.flat_steps = 0
-        """Decode steps the flat loop ran (the others ran the modules' forward)."""
+        """Steps the flat loop ran (the others ran the modules' forward)."""
+        self.flat_tokens = 0
+        """Query tokens of those steps: more than one a request in a speculative verification
+        or a short prompt chunk."""
         self._layers: Sequence[FlatLayer] = ()
         self._ops = None
         self._decoder = None
@@ -143,6 +146,7 @@ class FlatDecode(EagerDecode):
         if rows is None:
             return super().__call__(input_ids, positions, caches, meta, backend)
         self.flat_steps += 1
+        self.flat_tokens += input_ids.shape[0]
         model = self.model
         x = model.embed_tokens(input_ids)
         rope = model.rotary.at(positions, x.dtype)

@@ -119,7 +119,7 @@ class ModelRunner:
                 layer_hook, features.aux_layers)
             feats = StepFeatures(hidden, torch.cat(aux, dim=-1) if aux else None,
                                  tuple(meta.query_start))
-        elif meta.is_decode_only and layer_hook is None:
+        elif layer_hook is None and (meta.is_decode_only or self.decode_step.any_step):
             hidden = self.decode_step(batch.input_ids, batch.positions, self.caches, meta,
                                       self.backend)
         else:

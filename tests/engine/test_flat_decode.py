@@ -90,3 +90,26 @@ def test_linears_without_a_native_form_keep_the_python_layers(q4_gguf):
     flat, step = _run(q4_gguf, eager=False, int4_kernel="cpu-torch")
     assert step.state is FlatState.FLAT and step.flat_steps > 10
     assert flat == _run(q4_gguf, eager=True, int4_kernel="cpu-torch")[0]
+
+
+def test_speculative_verification_steps_run_the_loop_with_the_modules_bits(tmp_path):
+    # A verification step brings k + 1 query tokens a request, all the C++ attention's: the
+    # loop runs it too. One request, so more tokens than steps means multi-token steps ran.
+    model = str(save_tiny(tmp_path / "llama", "llama", seed=25))
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    prompt = random_prompts([9], VOCAB, seed=4)[0] * 3  # repeats, so the n-grams propose
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=1, temperature=0.0)
+
+    def run(eager: bool):
+        llm = LLM(model, dtype="float32", enable_prefix_caching=False, speculative_config=spec)
+        if eager:
+            llm.engine.runner.decode_step = EagerDecode(llm.engine.runner.model)
+        out = llm.generate([prompt], params)[0]
+        assert llm.engine.stats()["spec_drafts_proposed"] > 0
+        assert_idle(llm)
+        return ((out.token_ids, [(lp.logprob, lp.top) for lp in out.logprobs]),
+                llm.engine.runner.decode_step)
+
+    flat, step = run(eager=False)
+    assert step.state is FlatState.NATIVE and step.flat_tokens > step.flat_steps
+    assert flat == run(eager=True)[0]
