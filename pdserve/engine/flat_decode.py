@@ -1,4 +1,4 @@
-"""A decode-only step without the module tree's per-layer Python: the CPU's eager fast path.
+"""A step without the module tree's per-layer Python: the CPU's eager fast path.
 
 On the real default model (30 narrow layers) at batch 1 the kernels take about 8 ms of a 12 ms
 decode step; most of the rest was Python between them: nine module calls a layer, each
@@ -11,8 +11,9 @@ matmuls built once, and makes the per-step checks once per step.
 It applies to a model whose every layer is the Llama `DecoderLayer` (its `Attention` and
 `MLP`) over linears that offer a `flat_forward` (dense, or 4-bit without an input permutation),
 without tensor parallelism, on the CPU in fp32 with pdserve's C++ layer ops. A step runs it
-when its attention is the C++ paged kernel's alone (`CpuPagedAttention.kernel_rows`); any
-other step, or model, runs the modules' forward (`EagerDecode`'s).
+when its attention is the C++ paged kernel's alone (`CpuPagedAttention.kernel_rows`): a
+decode step, a speculative verification, a short prompt chunk. Any other step, or model,
+runs the modules' forward (`EagerDecode`'s).
 
 The layers run in one of two forms, the same ops in the same order either way:
 - NATIVE: one call into C++ for all the layers (`FlatDecoder`, kernels/cpu/flat_decoder.cpp),
@@ -22,7 +23,7 @@ The layers run in one of two forms, the same ops in the same order either way:
 - FLAT: the Python loop over the table (`_python_layers`), for linears with only a bound
   callable (torch's own int4 kernels), or with `native=False`.
 
-Lifecycle: UNBUILT --first decode step--> NATIVE or FLAT (the table is built from the loaded
+Lifecycle: UNBUILT --first step--> NATIVE or FLAT (the table is built from the loaded
 weights), or --a part without a flat form--> EAGER for good.
 """
 
