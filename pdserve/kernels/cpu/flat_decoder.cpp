@@ -23,7 +23,7 @@
 
 namespace {
 
-// What a linear's forward is (pdserve.engine.layers.linear.NativeKind): F.linear(x, w, bias);
+// What a linear's forward is (pdserve.engine.layers.native.NativeKind): F.linear(x, w, bias);
 // the int4 kernel; its batch-invariant row-wise form. post_bias, where given, is added after.
 enum class LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt4Rowwise = 2 };
 
