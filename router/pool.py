@@ -10,6 +10,10 @@ their requests).
 
     poll ok ──► last_ok = now, healthy      now - last_ok > heartbeat_timeout_s ──► down
 
+Silence is counted only while the router watches: after a tick far later than due (the
+router's own process did not run, so answers sat unread in its sockets) the clock of every
+worker restarts from then, and everyone is polled at once.
+
 A worker that drains (it got SIGTERM: `pdserve.serving.drain`) says so in its stats and keeps
 answering its polls: it stays healthy (nobody watching it is told it left, so the streams on
 it finish there) but is not *routable*: no new request, pull or migration goes to it. A call
@@ -135,6 +139,7 @@ class WorkerPool:
         self._wake = asyncio.Event()  # a member joined: poll now, not a period later
         self._task: asyncio.Task | None = None
         self._polls: dict[str, tuple[asyncio.Task, float]] = {}  # address → (poll, started)
+        self._watching_since = 0.0  # when the poll loop last resumed after a stall
         for address in addresses:
             self.add(address)
 
@@ -249,11 +254,20 @@ class WorkerPool:
 
     async def _poll_forever(self) -> None:
         tick = min(self.period_s, self.heartbeat_timeout_s) / 2
+        # A tick this late means this process did not run (starved of CPU, a long pause):
+        # the answers that came meanwhile wait unread, so that time is nobody's silence.
+        stalled = tick + self.heartbeat_timeout_s / 4
+        last = self._watching_since = time.monotonic()
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), tick)
             woken, now = self._wake.is_set(), time.monotonic()
             self._wake.clear()
+            if now - last > stalled:
+                log.warning("%s pool: the router did not run for %.1fs; its workers' "
+                            "silence counts from now", self.role, now - last)
+                self._watching_since, woken = now, True  # and ask everyone at once
+            last = now
             self._start_polls(now, woken)
             self._expire(now)
             await self._close_retired()
@@ -272,11 +286,13 @@ class WorkerPool:
         return task is not None and not task.done()
 
     def _expire(self, now: float) -> None:
-        """Take out the workers whose last answer is older than the heartbeat timeout."""
+        """Take out the workers silent for longer than the heartbeat timeout: since their
+        last answer, or since the router last resumed watching, whichever is later."""
         for w in [*self.workers, *(w for w, _ in self._retiring.values())]:
-            if w.healthy and now - w.last_ok > self.heartbeat_timeout_s:
+            silent = now - max(w.last_ok, self._watching_since)
+            if w.healthy and silent > self.heartbeat_timeout_s:
                 log.warning("%s worker %s did not answer for %.1fs; out of the pool",
-                            self.role, w.address, now - w.last_ok)
+                            self.role, w.address, silent)
                 w.set_healthy(False)
                 self._forget_blocks(w)
 

@@ -103,3 +103,37 @@ def test_a_draining_worker_stays_healthy_but_takes_nothing_new_until_it_exits():
             await pool.close()
 
     asyncio.run(go())
+
+
+def test_a_router_that_could_not_watch_blames_no_worker_for_it():
+    """The router's own process stalls (CPU starvation, a long GC) for longer than the
+    heartbeat timeout while its workers answer: the answers wait in its sockets. When it
+    resumes, the stall is not counted as the workers' silence: they stay in the pool (on a
+    loaded CI machine, one late tick once took every worker out and failed every stream)."""
+    import time
+
+    async def go():
+        (s1, a1, one), (s2, a2, two) = await serve(), await serve()
+        pool = WorkerPool("decode", (a1, a2), PERIOD, HEARTBEAT)
+        await pool.start()
+        try:
+            await until(lambda: all(w.healthy for w in pool.workers))
+            told = []
+            for w in pool.workers:
+                w.watch(lambda: told.append("down"))
+            polls = one.polls, two.polls
+            await until(lambda: one.polls > polls[0] + 2 and two.polls > polls[1] + 2)
+            time.sleep(3 * HEARTBEAT)  # blocks this event loop: the pool cannot poll
+            polls = one.polls, two.polls
+            await until(lambda: one.polls > polls[0] + 5 and two.polls > polls[1] + 5)
+            assert told == [] and all(w.healthy for w in pool.workers)
+            one.answering.clear()  # and a worker that then goes silent still leaves
+            await until(lambda: told == ["down"])
+            assert not pool.workers[0].healthy and pool.workers[1].healthy
+        finally:
+            one.answering.set()
+            await pool.close()
+            await s1.stop(None)
+            await s2.stop(None)
+
+    asyncio.run(go())
