@@ -1,6 +1,6 @@
-"""GGUF checkpoints: one `.gguf` file read through the `gguf` package's memory-mapped reader.
+"""GGUF checkpoints: one `.gguf` file, its header parsed once into a memory map (gguf_reader.py).
 
-The file is parsed once (`GGUFReader`); everything is checked up front, before a model is built:
+Everything is checked up front, before a model is built:
 the architecture and hyper-parameters (gguf_config.py), every tensor's name and type
 (gguf_weights.py), so an unsupported file fails at start with an error naming what it lacks.
 Tensor data stays in the memory map until `iter_weights` converts one tensor at a time.
@@ -8,8 +8,7 @@ Tensor data stays in the memory map until `iter_weights` converts one tensor at 
 The tokenizer is built from the metadata on demand (gguf_tokenizer.py; ~0.1 s for a 49k
 vocabulary), unless Hugging Face tokenizer files sit beside the file (`tokenizer_dir`): those are
 the model's own and win. The prepared default model (pdserve/default_model.py) uses this: its
-GGUF keeps the weights and hyper-parameters but not the vocabulary arrays, whose parsing by
-`GGUFReader` is most of a start-up (1.7 s of 1.8 s for SmolLM2's 49k tokens and merges).
+GGUF keeps the weights and hyper-parameters but not the vocabulary arrays.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from pdserve.engine.checkpoint.gguf_names import (
     is_linear,
     rotary_heads,
 )
+from pdserve.engine.checkpoint.gguf_reader import GGUFFile, GGUFTensor
 from pdserve.engine.checkpoint.gguf_tokenizer import GGUFVocab, build_tokenizer
 from pdserve.engine.model_config import ModelConfig
 from pdserve.tokenizer import Tokenizer
@@ -62,34 +62,29 @@ class GGUFCheckpoint(Checkpoint):
     # -- the file --------------------------------------------------------------------------
 
     @cached_property
-    def reader(self):
-        import gguf
-
+    def reader(self) -> GGUFFile:
         try:
-            return gguf.GGUFReader(self.path)
-        except (ValueError, OSError, IndexError, KeyError) as exc:
+            return GGUFFile(self.path)
+        except (ValueError, OSError) as exc:
             raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from exc
 
     @cached_property
     def metadata(self) -> dict[str, Any]:
         """Every scalar field, small arrays as lists, `<key>.count` for large ones."""
-        import gguf
-
         meta: dict[str, Any] = {}
         for key, field in self.reader.fields.items():
-            if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
-                if len(field.data) > _SMALL_ARRAY:
-                    meta[f"{key}.count"] = len(field.data)
-                    continue
-            meta[key] = field.contents()
+            if field.is_array and len(field.value) > _SMALL_ARRAY:
+                meta[f"{key}.count"] = len(field.value)
+                continue
+            meta[key] = field.value
         if int(meta.get("split.count", 1)) > 1:
             raise ValueError(f"{self.path} is part of a split GGUF ({meta['split.count']} files): "
                              "merge it first (llama-gguf-split --merge)")
         return meta
 
     @cached_property
-    def tensors(self) -> dict[str, Any]:
-        """name -> the reader's tensor, after checking every name and type is loadable."""
+    def tensors(self) -> dict[str, GGUFTensor]:
+        """name -> the file's tensor, after checking every name and type is loadable."""
         out = {}
         for t in self.reader.tensors:
             kind = t.tensor_type.name
@@ -101,11 +96,6 @@ class GGUFCheckpoint(Checkpoint):
             out[t.name] = t
         return out
 
-    @staticmethod
-    def _shape(tensor) -> tuple[int, ...]:
-        # GGUF lists dims innermost first: [ne0 = in_features, ne1 = out_features].
-        return tuple(int(d) for d in reversed(tensor.shape.tolist()))
-
     # -- what the engine reads -----------------------------------------------------------------
 
     def _read_model_config(self) -> ModelConfig:
@@ -115,16 +105,15 @@ class GGUFCheckpoint(Checkpoint):
         if freqs is not None:  # rope scaling factors (Llama 3): the one tensor config reads
             from pdserve.engine.checkpoint.gguf_weights import dense
 
-            factors = tuple(dense(freqs.data, freqs.tensor_type.name,
-                                  self._shape(freqs)).tolist())
-        shapes = {name: self._shape(t) for name, t in tensors.items()}
+            factors = tuple(dense(freqs.data, freqs.tensor_type.name, freqs.shape).tolist())
+        shapes = {name: t.shape for name, t in tensors.items()}
         return model_config_from_gguf(self.metadata, shapes, factors,
                                       self._float_dtype(), sorted(self.eos_token_ids))
 
     def _float_dtype(self) -> str:
         """The weights' own float type when every matrix has one (F16 / BF16), else float32:
         quantised values are exact in float32 and not in the half types."""
-        kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.shape) == 2}
+        kinds = {t.tensor_type.name for t in self.tensors.values() if len(t.dims) == 2}
         return {frozenset({"F16"}): "float16", frozenset({"BF16"}): "bfloat16"}.get(
             frozenset(kinds), "float32")
 
@@ -143,7 +132,7 @@ class GGUFCheckpoint(Checkpoint):
 
     def vocab(self) -> GGUFVocab:
         fields = self.reader.fields
-        arrays = {name: fields[f"tokenizer.ggml.{name}"].contents()
+        arrays = {name: fields[f"tokenizer.ggml.{name}"].value
                   for name in _TOKENIZER_ARRAYS if f"tokenizer.ggml.{name}" in fields}
         return GGUFVocab.from_metadata(self.metadata, arrays)
 
@@ -158,7 +147,7 @@ class GGUFCheckpoint(Checkpoint):
                 continue
             heads = rotary_heads(name, cfg.num_heads, cfg.num_kv_heads) if permuted else None
             yield hf_name(name), load_tensor(
-                t.data, t.tensor_type.name, self._shape(t), linear=is_linear(name),
+                t.data, t.tensor_type.name, t.shape, linear=is_linear(name),
                 prefer_int4=prefer_int4, permute_heads=heads)
 
     def native_quantization(self) -> str | None:
@@ -171,5 +160,5 @@ class GGUFCheckpoint(Checkpoint):
         return "int4" if kinds and kinds <= INT4_TYPES else None
 
     def weight_shapes(self) -> dict[str, list[int]]:
-        return {hf_name(n): list(self._shape(t)) for n, t in self.tensors.items()
+        return {hf_name(n): list(t.shape) for n, t in self.tensors.items()
                 if n not in CONFIG_TENSORS}

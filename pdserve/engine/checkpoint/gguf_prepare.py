@@ -1,9 +1,9 @@
 """A GGUF prepared for fast starts: the same weights, the vocabulary moved to tokenizer files.
 
-`GGUFReader` builds a numpy view per element of every metadata array, so a 49k-token vocabulary
-with its merges costs ~1.7 s of parsing in every process that opens the file (router, each
-worker rank), while the tokens themselves are needed only to build the tokenizer. A prepared
-directory therefore holds
+Every process that opens a GGUF (router, each worker rank) reads its metadata, while the
+vocabulary is needed only to build the tokenizer, which takes a second or more from the arrays
+(gguf_tokenizer.py) and milliseconds from a tokenizer.json. A prepared directory therefore
+holds
 
     <name>.gguf            every tensor byte for byte and every metadata field except
                            tokenizer.ggml.{tokens, token_type, merges, scores}
@@ -25,7 +25,7 @@ import numpy as np
 from pdserve.engine.checkpoint.gguf_file import GGUFCheckpoint
 
 _VOCAB_ARRAYS = tuple(f"tokenizer.ggml.{k}" for k in ("tokens", "token_type", "merges", "scores"))
-_WRITER_OWNS = ("GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture")
+_WRITER_OWNS = ("general.architecture",)
 _PROBE = "Hello, world! 12 + 30 = 42.\n\tdef f(x):\n    return x  # café, 東京 🙂"
 
 
@@ -51,8 +51,7 @@ def _write_without_vocab(source: GGUFCheckpoint, target: Path) -> None:
     for key, field in reader.fields.items():
         if key in _WRITER_OWNS or key in _VOCAB_ARRAYS:
             continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+        writer.add_key_value(key, field.value, field.type, sub_type=field.item_type)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()
@@ -65,8 +64,8 @@ def _check_same(source: GGUFCheckpoint, prepared: GGUFCheckpoint, tokenizer) -> 
     if prepared.model_config != source.model_config:
         raise RuntimeError(f"prepared {prepared.path} reads as another model config")
     want, got = source.reader.tensors, prepared.reader.tensors
-    if [(t.name, t.tensor_type, t.shape.tolist()) for t in want] != [
-            (t.name, t.tensor_type, t.shape.tolist()) for t in got]:
+    if [(t.name, t.tensor_type, t.dims) for t in want] != [
+            (t.name, t.tensor_type, t.dims) for t in got]:
         raise RuntimeError(f"prepared {prepared.path} lists other tensors than {source.path}")
     for a, b in zip(want, got, strict=True):
         if not np.array_equal(np.asarray(a.data), np.asarray(b.data)):
