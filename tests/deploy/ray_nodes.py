@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -32,6 +33,79 @@ HOST = "127.0.0.1"
 TOKEN = secrets.token_hex(32)
 """One token for every cluster this process starts: Ray caches the token it first reads, so a
 driver that connects to a second cluster must find the same one."""
+
+HEALTH_CHECKS = {"RAY_health_check_initial_delay_ms": "1000",
+                 "RAY_health_check_period_ms": "1000",
+                 "RAY_health_check_timeout_ms": "3000",
+                 "RAY_health_check_failure_threshold": "4"}
+"""The GCS calls a raylet dead after ~4 s of failed checks, not Ray's default ~15-30 s: a
+test that crashes a node waits that long for the cluster to notice. The timeout per check
+stays generous: a raylet on a loaded 2-core machine may answer late, not never."""
+
+
+class DriverError(RuntimeError):
+    """The cluster's driver did not answer (not connected yet, gone, or too slow)."""
+
+
+_DRIVER_CODE = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+print(json.dumps({"ready": True}), flush=True)
+for line in sys.stdin:
+    try:
+        print(json.dumps({"value": eval(json.loads(line))}), flush=True)
+    except Exception as exc:
+        print(json.dumps({"error": repr(exc)}), flush=True)
+"""
+
+
+class _Driver:
+    """A Ray driver in a process of its own that evaluates the test's expressions, one JSON
+    line each way."""
+
+    def __init__(self, address: str, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _DRIVER_CODE, address], env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+        self._buffer = b""
+        self._ready = False
+
+    def ask(self, expression: str, timeout_s: float):
+        end = time.monotonic() + timeout_s
+        if not self._ready:
+            self._line(end)
+            self._ready = True
+        try:
+            self.proc.stdin.write(json.dumps(expression).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError as exc:
+            raise DriverError(f"the driver is gone: {exc}") from None
+        answer = json.loads(self._line(end))
+        if "error" in answer:
+            raise DriverError(f"{expression!r} failed in the driver: {answer['error']}")
+        return answer["value"]
+
+    def _line(self, end: float) -> bytes:
+        while b"\n" not in self._buffer:
+            left = end - time.monotonic()
+            if left <= 0:
+                raise DriverError("the driver did not answer in time")
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            chunk = os.read(self.proc.stdout.fileno(), 1 << 16) if ready else None
+            if chunk == b"":
+                raise DriverError(f"the driver exited ({self.proc.wait()})")
+            self._buffer += chunk or b""
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        # Whatever else lands on stdout (Ray's own notices) is not an answer.
+        return line if line.startswith(b'{"') else self._line(end)
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
 
 
 def free_port() -> int:
@@ -68,6 +142,7 @@ class RayNodes:
         self.gcs_port = free_port()
         self.nodes: list[RayNode] = []
         self.startup_timeout_s = startup_timeout_s
+        self._driver: _Driver | None = None
 
     @property
     def address(self) -> str:
@@ -79,7 +154,7 @@ class RayNodes:
         # memory that other processes use (it judges the whole host).
         return {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token),
                 "RAY_ADDRESS": self.address, "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_memory_monitor_refresh_ms": "0", **extra}
+                "RAY_memory_monitor_refresh_ms": "0", **HEALTH_CHECKS, **extra}
 
     def add(self, num_cpus: float, resources: dict[str, float] | None = None,
             num_gpus: int = 0) -> RayNode:
@@ -137,19 +212,27 @@ class RayNodes:
         """{node manager port: node id} of the raylets the GCS counts as alive; None while it
         does not answer yet (or a loaded machine timed the driver out): the caller polls."""
         try:
-            rows = self._query(
-                "[[n['NodeManagerPort'], n['NodeID']] for n in ray.nodes() if n['Alive']]")
-        except (ValueError, IndexError, subprocess.TimeoutExpired):
+            rows = self.query(
+                "[[n['NodeManagerPort'], n['NodeID']] for n in ray.nodes() if n['Alive']]",
+                timeout_s=30)
+        except DriverError:
             return None
         return {port: nid for port, nid in rows}
 
-    def _query(self, expression: str):
-        """`expression` evaluated by a driver of this cluster (in its own process), as JSON."""
-        code = ("import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False); "
-                f"print(json.dumps({expression}))")
-        done = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(),
-                              capture_output=True, text=True, timeout=120)
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def query(self, expression: str, timeout_s: float = 120.0):
+        """`expression` evaluated by this cluster's driver, as JSON. The driver is one process
+        of its own, started while only the head runs, so it is attached to the head and no
+        node a test stops takes it along; one look costs milliseconds, not the seconds a
+        fresh driver's import and connect cost. One that fails or times out is closed and
+        the next look starts another."""
+        if self._driver is None:
+            self._driver = _Driver(self.address, self.env())
+        try:
+            return self._driver.ask(expression, timeout_s)
+        except DriverError:
+            self._driver.close()
+            self._driver = None
+            raise
 
     def actor_log(self, actor_name: str, lines: int = 60) -> str:
         """The last `lines` of the Ray log (worker-*.err) of the actor named `actor_name`
@@ -165,9 +248,12 @@ class RayNodes:
         return next(n for n in self.nodes if n.node_id == node_id)
 
     def stop_node(self, index: int, grace_s: float = 15.0) -> None:
-        """Stop one raylet and everything it runs (its worker processes die with it)."""
+        """Stop one raylet and everything it runs (its worker processes die with it):
+        SIGTERM to its `ray start`, then SIGKILL to its session after `grace_s`; 0 is a
+        node that crashes (the GCS finds out by its health checks, fast on these
+        clusters)."""
         node = self.nodes[index]
-        if node.proc.poll() is None:
+        if node.proc.poll() is None and grace_s > 0:
             node.proc.send_signal(signal.SIGTERM)
             try:
                 node.proc.wait(timeout=grace_s)
@@ -180,6 +266,9 @@ class RayNodes:
         node.proc.wait()
 
     def close(self) -> None:
+        if self._driver is not None:
+            self._driver.close()
+            self._driver = None
         for node in reversed(self.nodes):  # workers first, the head (GCS) last
             self.stop_node(node.index)
         shutil.rmtree(self.temp, ignore_errors=True)

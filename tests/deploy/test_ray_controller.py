@@ -149,7 +149,9 @@ def test_errors_an_operator_can_act_on(ray_head, tmp_path):
     done = pdserve_ray(ray_head, "status", "--name", "nothing-here")
     assert done.returncode == 1 and "start one with `pdserve ray up`" in done.stderr
     assert "Traceback" not in done.stderr
-    no_token = {k: v for k, v in ray_head.env(PYTHONPATH=str(ROOT)).items()
+    # Ray retries a refused connect once a second for ~20 s by default; 2 tries say the same.
+    no_token = {k: v for k, v in ray_head.env(PYTHONPATH=str(ROOT),
+                                              RAY_gcs_server_port_wait_time_s="2").items()
                 if k not in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH")}
     no_token["HOME"] = str(tmp_path)  # no ~/.ray/auth_token of this machine's user either
     done = pdserve_ray(ray_head, "status", env=no_token)

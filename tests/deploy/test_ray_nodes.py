@@ -1,7 +1,8 @@
 """Across nodes: a Ray cluster of three raylets on this host (`ray start --head` plus two
 `ray start --address ...`), each with its own custom resources. Each pool lands on the nodes
-its resources name, a TP group's ranks on one node; stopping a raylet moves its decode worker
-to a node that can hold it while the service keeps answering.
+its resources name, a TP group's ranks on one node; a raylet that crashes (its whole session
+killed at once) has its decode worker moved to a node that can hold it while the service keeps
+answering.
 
 Everything talks to the cluster as an operator does, from processes of its own (`pdserve ray`
 commands, one-off drivers): a driver in this process would attach to one of the raylets, and
@@ -92,21 +93,21 @@ def test_pools_land_on_their_node_types_and_move_when_a_node_goes(tmp_path, redi
             st = settled_status(nodes)
             (p,), (r,) = st.of("prefill"), st.of("router")
             assert p.node_id == head.node_id == r.node_id  # the only prefill_node, router_node
-            groups = nodes._query("{g['name']: sorted(set(g['bundles_to_node_id'].values())) "
+            groups = nodes.query("{g['name']: sorted(set(g['bundles_to_node_id'].values())) "
                                   "for g in ray.util.placement_group_table().values() "
                                   "if g['state'] == 'CREATED'}")
             assert groups["nodes-prefill-0"] == [head.node_id]  # both TP ranks on one node
             # The controller is on the head whichever raylet the `up` driver talked to: the
             # head's loss ends the cluster anyway, any other node may go.
-            assert nodes._query("ray.get(ray.get_actor('nodes-controller', namespace="
+            assert nodes.query("ray.get(ray.get_actor('nodes-controller', namespace="
                                 "'pdserve').node_id.remote())") == head.node_id
             placed = [x.node_id for x in st.of("decode")]
             assert set(placed) <= decode_capable and len(set(placed)) == 2
-            # Stop a worker node that holds a decode worker: it moves to the free slot.
+            # Crash a worker node that holds a decode worker: it moves to the free slot.
             victim = next(x for x in st.of("decode") if x.node_id != head.node_id)
             routers = st.routers()
             with Service(lambda: routers, prompts, expected) as service:
-                nodes.stop_node(nodes.by_id(victim.node_id).index)
+                nodes.stop_node(nodes.by_id(victim.node_id).index, grace_s=0)
 
                 last: list[DeploymentStatus] = []
                 failures: list[str] = []
