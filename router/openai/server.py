@@ -215,6 +215,8 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except ApiError as exc:
+        if exc.status == 408:
+            return await _close_after(request, _error_response(exc))
         return _error_response(exc)
     except RequestError as exc:
         return _error_response(bad_request(exc))
@@ -244,6 +246,17 @@ def _auth(tokens: Sequence[str], root: str = ""):
         return await handler(request)
 
     return check
+
+
+async def _close_after(request: web.Request, resp: web.Response) -> web.Response:
+    """Send `resp`, then close the connection. A client whose body stalled gets its 408 and
+    loses the connection at once; otherwise aiohttp would keep it up to 10 s more, reading the
+    rest of a body nobody will use. Closing the transport flushes what was written first."""
+    resp.force_close()  # Connection: close
+    await resp.prepare(request)
+    await resp.write_eof()
+    request.protocol.force_close()
+    return resp
 
 
 def _error_response(exc: ApiError) -> web.Response:
