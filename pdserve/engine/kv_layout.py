@@ -21,10 +21,12 @@ travels once per receiving rank, never once per attention head.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+import numpy as np
 import torch
 
 from kv_store import tp_layout
@@ -134,8 +136,7 @@ class KVLayout:
     def new_caches(self, num_blocks: int, tp_size: int, device: torch.device
                    ) -> list[torch.Tensor]:
         shape = self.cache_shape(num_blocks, tp_size)
-        return [torch.zeros(shape, dtype=self.format.storage_dtype, device=device)
-                for _ in range(self.num_layers)]
+        return [_zeros(shape, self.format.storage_dtype, device) for _ in range(self.num_layers)]
 
     def check_caches(self, caches: Sequence[torch.Tensor], tp_size: int = 1) -> None:
         """Raise ValueError unless `caches` are this layout's (one per layer)."""
@@ -169,3 +170,14 @@ class KVLayout:
     def __str__(self) -> str:
         return (f"{self.kind.value}: {self.num_layers} layers x {self.num_kv_heads} heads x "
                 f"{self.head_dim} ({self.format}), block {self.block_size}")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On the CPU from calloc (numpy's zeros): the kernel maps zero
+    pages as they are first touched, where `torch.zeros` writes every byte up front: a
+    worker's default 1 GiB CPU cache cost ~1 s of page faults at start, for blocks most runs
+    never use."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, np.uint8)).view(dtype).view(shape)
