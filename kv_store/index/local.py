@@ -2,9 +2,12 @@
 
 Registration, events and the router's view live in one `IndexView` in this process. A
 background task expires lapsed leases, so a worker that stops heartbeating disappears from
-`match` like it does with Redis. In a multi-process deployment without Redis, the router owns
-the `LocalKVIndex` and calls `register`/`publish` on behalf of workers whose events reach it
-another way (they are plain msgpack bytes, see `events.encode_batch`).
+`match` like it does with Redis. Silence counts only while this process runs: the heartbeats
+come through this event loop too, so after a stall of the loop (CPU starvation, a pause)
+every lease gets a full ttl again before anything is judged, as the router's pools do. In a
+multi-process deployment without Redis, the router owns the `LocalKVIndex` and calls
+`register`/`publish` on behalf of workers whose events reach it another way (they are plain
+msgpack bytes, see `events.encode_batch`).
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ class LocalKVIndex(KVIndex):
         self._view = IndexView()
         self._regs: dict[str, _Registration] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._last_look = time.monotonic()
+        # A gap this long between looks means the loop did not run: nobody could renew.
+        self._stall_s = max(4 * reap_interval_s, 1.0)
 
     async def start(self) -> None:
         if self._reaper is None:
@@ -88,7 +94,7 @@ class LocalKVIndex(KVIndex):
         return True
 
     async def workers(self) -> dict[str, dict[str, Any]]:
-        self._view.expire(time.monotonic())
+        self._expire(time.monotonic())
         return self._view.workers()
 
     @property
@@ -107,7 +113,14 @@ class LocalKVIndex(KVIndex):
             events += [BlockStored(worker_id, hs, tier) for tier, hs in reg.snapshot().items()]
         self._view.apply(events, time.monotonic())
 
+    def _expire(self, now: float) -> None:
+        if now - self._last_look > self._stall_s:
+            self._view.extend_all(now)
+        self._last_look = now
+        self._view.expire(now)
+
     async def _reap(self) -> None:
+        self._last_look = time.monotonic()
         while True:
             await asyncio.sleep(self._reap_interval_s)
-            self._view.expire(time.monotonic())
+            self._expire(time.monotonic())

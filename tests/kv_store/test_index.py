@@ -152,6 +152,30 @@ def test_heartbeats_keep_the_lease_and_silence_expires_it(backend):
     backend.run(body)
 
 
+def test_a_stalled_local_index_blames_no_worker_for_its_own_stall():
+    """In one process the heartbeats pass through the index's own event loop: a stall of that
+    loop longer than the ttl is the process's silence, not the worker's."""
+    async def body():
+        index = LocalKVIndex(reap_interval_s=0.05)
+        await index.start()
+        try:
+            await index.register("w", {}, ttl_s=0.4)
+            await index.publish([BlockStored("w", hashes(3))])
+            beats = asyncio.create_task(keep_beating(index, "w"))
+            await asyncio.sleep(0.2)
+            time.sleep(1.5)  # the loop does not run: no beat, no reaper tick
+            assert "w" in await index.workers()  # judged before any beat could run
+            assert leading(index, hashes(3)) == {"w": 3}
+            await asyncio.sleep(0.6)  # beats resume: it stays
+            assert "w" in await index.workers()
+            beats.cancel()  # silence while the loop runs still ends the lease
+            await eventually(lambda: _has_workers(index, set()), what="lease expiry")
+        finally:
+            await index.close()
+
+    asyncio.run(body())
+
+
 def test_unregister_drops_the_worker_and_its_blocks_at_once(backend):
     async def body(worker, router):
         await worker.register("w", {}, ttl_s=30)
