@@ -268,7 +268,7 @@ class Flow:
             n=n), timeout=a.time_left())
         wire.guard(call)
         wire.watch(d, LostCause.DECODE_UNRESPONSIVE)
-        d.inflight += 1
+        d.started()
         rid = rid or a.rid
         self._live[rid] = (d, a.rid)
         try:
@@ -289,7 +289,7 @@ class Flow:
                 yield ev
         finally:
             self._live.pop(rid, None)
-            d.inflight -= 1
+            d.ended()
             wire.close()
             call.cancel()  # no-op once finished; otherwise D aborts the request
 
@@ -315,7 +315,7 @@ class Flow:
             deadline_unix_s=a.deadline), timeout=a.time_left())
         wire.guard(call)
         wire.watch(p, LostCause.PREFILL_LOST)
-        p.inflight += 1
+        p.started()
         try:
             resp = await call
         except asyncio.CancelledError:
@@ -326,7 +326,7 @@ class Flow:
         except grpc.aio.AioRpcError as exc:
             raise self._prefill_error(exc, p) from None
         finally:
-            p.inflight -= 1
+            p.ended()
         timings.first_token = time.perf_counter()
         timings.prefill_compute_s = resp.compute_s
         timings.prefill_cached_tokens = resp.cached_tokens

@@ -108,7 +108,7 @@ class AdmissionGate:
         for w in self.decode.healthy() if self.decode is not None else ():
             step = _step(w.stats)
             if step is not None:
-                occ = max(int(w.stats.num_running + w.stats.num_waiting), w.inflight)
+                occ = w.occupancy()
                 yield step, occ, w.info.max_num_seqs if w.info is not None else 0
 
     def _track(self, rid: str, delta: int | None) -> None:
@@ -136,7 +136,7 @@ def _decode_load(i: int, w: WorkerHandle, mean_remaining: float,
         index=i, max_seqs=info.max_num_seqs if info is not None else 0,
         kv_blocks_total=int(s.kv_blocks_total),
         block_size=(info.block_size if info is not None else 0) or 16,
-        occupancy=max(int(s.num_running + s.num_waiting), w.inflight),
+        occupancy=w.occupancy(),
         mean_remaining=mean_remaining, step=slowdown.scale(_step(s)))
 
 

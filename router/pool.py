@@ -81,6 +81,7 @@ class WorkerHandle:
     healthy: bool = False
     last_ok: float = field(default_factory=time.monotonic)  # of the last answered poll
     inflight: int = 0  # requests this router has sent and not yet seen finish
+    ended_since_poll: int = 0  # requests of this router that ended since `stats` was taken
     stats: worker_pb.WorkerStats = field(default_factory=worker_pb.WorkerStats)
     info: worker_pb.WorkerInfo | None = None
     # Set when the worker leaves its pool. Replaced when the worker comes back.
@@ -90,6 +91,29 @@ class WorkerHandle:
     draining: bool = False  # it said so (stats) or refused a call for it; polls clear it
     polls: int = 0  # answered stats polls (their KV events applied): exported, tests wait on it
     _watchers: set[Callable[[], None]] = field(default_factory=set, repr=False)
+
+    def started(self) -> None:
+        """A request of this router is on the worker now."""
+        self.inflight += 1
+
+    def ended(self) -> None:
+        self.inflight -= 1
+        self.ended_since_poll += 1
+
+    def take_stats(self, stats: worker_pb.WorkerStats, ended_before: int) -> None:
+        """Fresh stats from a call sent when `ended_since_poll` was `ended_before`: what
+        ended meanwhile may or may not be in them, and stays counted (a request judged
+        gone too early costs a little queueing; one judged still there refuses a request)."""
+        self.stats = stats
+        self.ended_since_poll = max(self.ended_since_poll - ended_before, 0)
+
+    def occupancy(self) -> int:
+        """Requests it holds, as best known: its last stats less this router's requests that
+        ended since (the stats lag up to a poll period: a client sending one request after
+        another would otherwise find the last one still there), and never fewer than this
+        router has on it now. Other routers' requests are known from the stats only."""
+        polled = int(self.stats.num_running + self.stats.num_waiting)
+        return max(polled - self.ended_since_poll, self.inflight)
 
     def set_healthy(self, healthy: bool) -> None:
         if healthy and not self.healthy:
@@ -166,7 +190,9 @@ class WorkerPool:
         their KV events or judging their health: the poll loop owns both."""
         async def one(w: WorkerHandle) -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                w.stats = await w.stub.GetStats(worker_pb.StatsRequest(), timeout=timeout_s)
+                ended = w.ended_since_poll
+                w.take_stats(await w.stub.GetStats(worker_pb.StatsRequest(), timeout=timeout_s),
+                             ended)
 
         await asyncio.gather(*(one(w) for w in self.healthy()))
 
@@ -318,6 +344,7 @@ class WorkerPool:
             if w.info is None or not w.healthy:  # a worker back from the dead: read afresh
                 w.info = await w.stub.GetInfo(worker_pb.InfoRequest(), timeout=timeout)
             request = worker_pb.StatsRequest(kv_snapshot=snapshot, take_kv_events=take)
+            ended = w.ended_since_poll
             stats = await w.stub.GetStats(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() is grpc.StatusCode.UNAUTHENTICATED and not w.refuses_credentials:
@@ -326,7 +353,7 @@ class WorkerPool:
                             "another cluster (cluster secret, CA)?", self.role, w.address,
                             exc.details())
             return  # `_expire` takes it out once its last answer is too old
-        w.stats = stats
+        w.take_stats(stats, ended)
         w.last_ok = time.monotonic()
         w.refuses_credentials = False
         if stats.draining and not w.draining:

@@ -1,7 +1,7 @@
 """Admission inside the frontend, over pools whose load is set by hand (no workers, the flow
 scripted): a burst fills the decode queue and the rest is refused at once with a hint, the
 prefill queue the router admitted counts before any stats show it, and finished requests free
-their place."""
+their place, also before the next stats show it."""
 
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ class HeldFlow:
         self.allowed.append(decode_allowed)
         w = next(w for w in self.decode.workers if decode_allowed is None
                  or w.address in decode_allowed)
-        w.inflight += 1
+        w.started()
         try:
             await self.release.wait()
             yield TokenEvent([5])
             yield FinishEvent(FinishReason.LENGTH, len(req.prompt_token_ids), 1, 0)
         finally:
-            w.inflight -= 1
+            w.ended()
 
 
 @pytest.fixture(scope="module")
@@ -128,3 +128,34 @@ def test_admitted_prefills_count_before_the_stats_show_them(tokenizer):
     # Two take the free slots at once; each later one waits for ~12 s of prefill per request
     # ahead of it, so only a few fit in 54 s.
     assert 2 < 8 - asyncio.run(main()) < 8
+
+
+def test_a_request_that_ended_since_the_last_poll_no_longer_fills_the_queue(tokenizer):
+    """A worker with room for one request of this size. Its last stats (taken while a request
+    ran) show one; that request has since ended through this router: the next one is
+    admitted, not refused on stale stats. A request the stats show that is not this router's
+    still counts."""
+    async def main():
+        decode = pool("decode", 1)
+        (w,) = decode.workers
+        # 20 prompt + 16 output tokens: 3 blocks of 16, so one request runs; 2 prompt blocks
+        # each, so one may wait: it holds one.
+        w.stats.kv_blocks_total = 3
+        f = frontend(tokenizer, decode, pool("prefill", 0))
+        first = await start(f, 1, prompt_len=20)
+        assert not first[0].done()  # admitted, running
+        polled = worker_pb.WorkerStats()
+        polled.CopyFrom(w.stats)
+        polled.num_running = 1
+        w.take_stats(polled, w.ended_since_poll)  # a poll while it ran
+        f.flow.release.set()
+        await asyncio.gather(*first)
+        assert w.inflight == 0 and w.occupancy() == 0
+        second = await asyncio.gather(*await start(f, 1, prompt_len=20))
+        w.take_stats(polled, w.ended_since_poll)  # another router's request, still there
+        third = await asyncio.gather(*await start(f, 1, prompt_len=20))
+        return second, third
+
+    second, third = asyncio.run(main())
+    assert isinstance(second[0], list), second[0]
+    assert isinstance(third[0], Overloaded) and "decode queue full (1 requests)" in str(third[0])
