@@ -92,9 +92,14 @@ def test_greedy_chat_equals_the_grpc_path(api, grpc_client, model_id, tiny_llama
     assert choice.message.role == "assistant" and choice.message.content == ref.text
     assert choice.finish_reason == ref.finish_reason
     assert out.usage.completion_tokens == ref.usage.completion_tokens
-    assert [t.logprob for t in choice.logprobs.content] == [r.logprob for r in ref.logprobs]
+    # The tokens are exact (the text above); the logprobs agree to float noise. Whether the
+    # second request reuses the first's cached prefix depends on whether the router's index
+    # has learnt of it yet (a poll), so its prompt may be computed in other shapes: fp32 sums
+    # in another order, 5e-7 apart once on a loaded machine.
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(
+        [r.logprob for r in ref.logprobs], abs=1e-5)
     assert [[a.logprob for a in t.top_logprobs] for t in choice.logprobs.content] == [
-        [a.logprob for a in r.top] for r in ref.logprobs]
+        pytest.approx([a.logprob for a in r.top], abs=1e-5) for r in ref.logprobs]
 
 
 def test_seeded_completion_stream_equals_the_grpc_path(api, grpc_client, model_id):
