@@ -23,7 +23,10 @@ Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (p
 16..512, max_tokens 16..128; HF pads and runs to the longest, both credited with the same
 useful tokens), as in bench/engine_bench.py. Bandwidth (batch 1): every weight byte a decode
 step reads (the embedding matrix counted once: tied, it is read whole as the LM head) x
-tokens/s, over a large tensor copy's bytes/s measured right before each repeat.
+tokens/s, over a large tensor copy's bytes/s measured right before each repeat; counted two
+ways: end to end (the prompt's prefill in the time, as tokens/s counts it) and over the decode
+steps alone (the request's time less that of the same request with max_tokens=1, its prefill
+and first token, over the steps after it: what a decode step reads per second of its own).
 Greedy tokens of the dense engines are checked equal to each other and, at batch 1, to HF;
 the default engine's sequences equal to the dense ones are counted (`same_greedy`).
 Writes bench/results/decode.json.
@@ -105,11 +108,15 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
     useful = sum(max_new)
     times: dict[str, list[float]] = {name: [] for name in [*engines, "hf"]}
     copies, tokens = [], {}
+    steps: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(repeats):
         copies.append(memcpy_bandwidth())
         for name, llm in engines.items():
             dt, tokens[name] = run_ours(llm, prompts, max_new)
             times[name].append(dt)
+            if batch == 1:  # the decode steps' own time: less the prefill and first token
+                first, _ = run_ours(llm, prompts, [1])
+                steps[name].append((dt - first) / (max_new[0] - 1))
             print(f"batch {batch} {name}: {useful / dt:.3g} tok/s", flush=True)
         if hf is not None:
             dt, tokens["hf"] = run_hf(hf, prompts, max_new)
@@ -125,6 +132,8 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
         if not ts:
             continue
         row = {"batch": batch, "engine": name, "tok_s": useful / statistics.median(ts)}
+        if steps.get(name):
+            row["step_ms"] = statistics.median(steps[name]) * 1e3
         if baseline is not None and name != "hf":
             same = sum(a == b for a, b in zip(tokens[name], baseline, strict=True))
             row["same_greedy"] = f"{same}/{batch}"
@@ -177,7 +186,9 @@ def main() -> None:
     print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "vs_py_layers", "same_greedy"])
     if bw:
         print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
-        print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation"])
+        print("(end to end, the prompt's prefill in the time; and over the decode steps alone)")
+        print_table(bw, ["engine", "weight_MB", "weight_GB_s", "memcpy_GB_s", "utilisation",
+                         "step_ms", "step_GB_s", "step_utilisation"])
     print(f"\nwrote {write_json(a.output, result)}")
 
 
@@ -187,9 +198,12 @@ def bandwidth_rows(rows: list[dict], wb: dict[str, int], memcpy_gb_s: float) -> 
         if r["engine"] == "hf":
             continue
         b = wb[r["engine"]]
+        step_s = r["step_ms"] / 1e3
         out.append({"engine": r["engine"], "weight_MB": b / 1e6,
                     "weight_GB_s": b * r["tok_s"] / 1e9, "memcpy_GB_s": memcpy_gb_s,
-                    "utilisation": b * r["tok_s"] / (memcpy_gb_s * 1e9)})
+                    "utilisation": b * r["tok_s"] / (memcpy_gb_s * 1e9),
+                    "step_ms": r["step_ms"], "step_GB_s": b / step_s / 1e9,
+                    "step_utilisation": b / step_s / (memcpy_gb_s * 1e9)})
     return out
 
 
