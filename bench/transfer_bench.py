@@ -13,7 +13,10 @@ prefill side: one `KVSender` (with a NIXL agent when NIXL is compared, so a rece
 pool gets gloo from the same sender, as in a worker), sending each prompt's KV layer by layer
 and waiting for the DONE marker to be sent. Prompts alternate between the transports, and a
 memory copy is timed before each round, so every ratio is taken against the same moment's
-machine. Throughput = payload bytes / time from the first `send_layer` to the resolved future.
+machine; so is one kernel copy of the prompt's bytes between two processes, layer by layer
+(`cma_ceiling`: what UCX's CMA path does, and the most a same-host NIXL transfer can reach
+here), and the ratio to it is printed too. Throughput = payload bytes / time from the first
+`send_layer` to the resolved future.
 
 `--coalesce` compares senders that put up to N ready layers in one message
 (`TransferConfig.coalesce_max_parts`; 1 = one message per layer as before wire version 7,
@@ -42,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.cma_ceiling import CmaCopy  # noqa: E402
 from bench.common import memcpy_bandwidth, print_table, write_json  # noqa: E402
 from bench.stage_trace import StageTrace  # noqa: E402
 from decode_worker.kv_sink import copy_blocks  # noqa: E402
@@ -176,7 +180,9 @@ def measure(args) -> dict:
     kvs = [torch.randn(kv_shape(args.shape, args.tokens), generator=gen)
            for _ in range(SHAPES[args.shape][0])]
     seconds = {variant(rx.transport, c): [] for c in args.coalesce for rx in receivers}
-    copies, nbytes, stages = [], 0, StageTrace()
+    copies, cma, nbytes, stages = [], [], 0, StageTrace()
+    layer_bytes = kvs[0].numel() * kvs[0].element_size()
+    kernel_copy = CmaCopy(layer_bytes * len(kvs), layer_bytes)
     senders = {c: KVSender(TransferConfig(coalesce_max_parts=c), nixl=agent)
                for c in args.coalesce}
     try:
@@ -189,6 +195,7 @@ def measure(args) -> dict:
         with stages.wrapping(SENDER_STAGES if args.trace else ()):
             for i in range(args.prompts):
                 copies.append(memcpy_bandwidth(256 * 2**20))
+                cma.append(kernel_copy.measure())
                 for cap, sender in senders.items():
                     for rx in receivers:
                         dt, nbytes = send_prompt(sender, rx, f"p{i}-{rx.transport}-c{cap}",
@@ -197,13 +204,14 @@ def measure(args) -> dict:
         sender_stats = {c: s.stats() for c, s in senders.items()}
         receiver_stats = {rx.transport: rx.stats() for rx in receivers}
     finally:
+        kernel_copy.close()
         for sender in senders.values():
             sender.close()
         for rx in receivers:
             rx.close()
         if agent is not None:
             agent.close()
-    return {"seconds": seconds, "memcpy": copies, "bytes": nbytes,
+    return {"seconds": seconds, "memcpy": copies, "cma": cma, "bytes": nbytes,
             "sender_stats": sender_stats, "receiver_stats": receiver_stats,
             "sender_stages": stages.snapshot()}
 
@@ -234,14 +242,20 @@ def main() -> None:
 
 def report(args, m: dict) -> None:
     nbytes, copy_bw = m["bytes"], statistics.median(m["memcpy"])
+    cma = [c for c in m["cma"] if c] if all(m["cma"]) else []  # None: the kernel refused
     rows = []
     for t, secs in m["seconds"].items():
         ratios = [nbytes / s / c for s, c in zip(secs, m["memcpy"], strict=True)]
-        rows.append({"variant": t, "MiB/prompt": nbytes / 2**20,
-                     "s/prompt": statistics.median(secs),
-                     "GB/s median": nbytes / statistics.median(secs) / 1e9,
-                     "GB/s best": nbytes / min(secs) / 1e9, "memcpy GB/s": copy_bw / 1e9,
-                     "ratio to memcpy": statistics.median(ratios)})
+        row = {"variant": t, "MiB/prompt": nbytes / 2**20,
+               "s/prompt": statistics.median(secs),
+               "GB/s median": nbytes / statistics.median(secs) / 1e9,
+               "GB/s best": nbytes / min(secs) / 1e9, "memcpy GB/s": copy_bw / 1e9,
+               "ratio to memcpy": statistics.median(ratios)}
+        if cma:
+            row["CMA GB/s"] = statistics.median(cma) / 1e9
+            row["ratio to CMA"] = statistics.median(
+                nbytes / s / c for s, c in zip(secs, cma, strict=True))
+        rows.append(row)
     layers = SHAPES[args.shape][0]
     print(f"\nKV transfer, {args.shape} shape, {args.tokens} tokens ({layers} layers), "
           f"{args.prompts} prompts per transport, load average {os.getloadavg()[0]:.1f}")
@@ -255,7 +269,8 @@ def report(args, m: dict) -> None:
         "load_average_1_5_15m": list(os.getloadavg()),  # the machine is shared: context
         "kv_shape_per_layer": list(kv_shape(args.shape, args.tokens)), "dtype": "float32",
         "bytes_per_prompt": nbytes, "rows": rows, "seconds_per_prompt": m["seconds"],
-        "memcpy_bytes_per_s": m["memcpy"], "sender_stats": m["sender_stats"],
+        "memcpy_bytes_per_s": m["memcpy"], "cma_read_bytes_per_s": m["cma"],
+        "sender_stats": m["sender_stats"],
         "receiver_stats": m["receiver_stats"], "coalesce": args.coalesce,
         "nixl_slots_per_pair": args.nixl_slots or TransferConfig().nixl_slots_per_pair,
         "stages_per_layer": stage_rows,
