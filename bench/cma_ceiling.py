@@ -45,10 +45,13 @@ class CmaCopy:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._child = subprocess.Popen([sys.executable, "-c", _CHILD, str(nbytes)],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._remote = int(self._child.stdout.readline())
+        line = self._child.stdout.readline()
+        self._remote = int(line) if line.strip().isdigit() else None  # None: the child failed
         self._local = torch.ones(nbytes, dtype=torch.uint8)  # faulted in, like a used cache
 
     def measure(self, repeats: int = 3) -> float | None:
+        if self._remote is None or not hasattr(self._libc, "process_vm_readv"):
+            return None  # no child buffer, or not Linux
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -67,4 +70,7 @@ class CmaCopy:
 
     def close(self) -> None:
         self._child.stdin.close()
-        self._child.wait(10)
+        try:
+            self._child.wait(10)
+        except subprocess.TimeoutExpired:
+            self._child.kill()
