@@ -242,7 +242,7 @@ def main() -> None:
 
 def report(args, m: dict) -> None:
     nbytes, copy_bw = m["bytes"], statistics.median(m["memcpy"])
-    cma = [c for c in m["cma"] if c] if all(m["cma"]) else []  # None: the kernel refused
+    cma = m["cma"] if all(m["cma"]) else []  # a None: the kernel refused, no CMA column
     rows = []
     for t, secs in m["seconds"].items():
         ratios = [nbytes / s / c for s, c in zip(secs, m["memcpy"], strict=True)]
