@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.engine.host_malloc import HOST_MALLOC_MODES
+
 LM_HEAD_DTYPES = ("auto", "model", "bf16", "int8", "int4")
 """The LM head's precisions (`EngineConfig.lm_head_dtype`; `quant.lm_head` says what each is)."""
 INT4_KERNELS = ("auto", "cpu", "cpu-invariant", "cpu-torch", "triton", "reference")
@@ -103,6 +105,11 @@ class EngineConfig:
     """How many of the next cached-free device blocks in eviction order are copied to the host
     tier ahead of time, between steps, so evicting them later costs no copy (0 = off; capped
     at a quarter of the host tier)."""
+    host_malloc: str = "retain"
+    """On the CPU, how the process's glibc malloc keeps freed activation memory: retain (fixed
+    mmap and trim thresholds, so a step's large activations reuse mapped pages instead of
+    page-faulting fresh ones every layer; process-wide, `engine.host_malloc`) or system
+    (glibc's defaults, untouched)."""
 
     def __post_init__(self) -> None:
         _positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs",
@@ -127,6 +134,9 @@ class EngineConfig:
                              f"{self.compile_decode!r}")
         if self.batch_invariant:
             _check_batch_invariant(self)
+        if self.host_malloc not in HOST_MALLOC_MODES:
+            raise ValueError(f"host_malloc must be one of {', '.join(HOST_MALLOC_MODES)}, got "
+                             f"{self.host_malloc!r}")
         if self.kv_cache_dtype not in ("auto", "fp8"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8', got "
                              f"{self.kv_cache_dtype!r}")

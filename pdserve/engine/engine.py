@@ -30,6 +30,7 @@ from pdserve.engine.checkpoint import Checkpoint, open_checkpoint
 from pdserve.engine.config import EngineConfig, cpu_kv_cache_gb
 from pdserve.engine.cuda_graphs import graph_args
 from pdserve.engine.finish import FinishReason
+from pdserve.engine.host_malloc import retain_freed_memory
 from pdserve.engine.kv_layout import KVLayout
 from pdserve.engine.kv_manager import KVCacheManager, cdiv
 from pdserve.engine.loader import load_model
@@ -69,6 +70,8 @@ class LLMEngine:
         self.model_config = checkpoint.model_config
         self.model_id = config.model_id or checkpoint.model_id
         self.device = _resolve_device(config.device)
+        self.malloc = (retain_freed_memory()
+                       if self.device.type == "cpu" and config.host_malloc == "retain" else None)
         self.dtype = _resolve_dtype(config.dtype, self.model_config)
         self.max_model_len = config.max_model_len or min(
             self.model_config.max_position_embeddings, 32768)

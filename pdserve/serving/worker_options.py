@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.engine.config import INT4_KERNELS, LM_HEAD_DTYPES, EngineConfig
+from pdserve.engine.host_malloc import HOST_MALLOC_MODES
 from pdserve.serving.kv_lease import LeaseConfig
 from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
 from pdserve.serving.security import ClientSecurity, InternalSecurity
@@ -98,6 +99,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="a token's numbers independent of the batch it runs in (int4 models on "
                         "the CPU; slower): a seeded request samples the same tokens under load")
+    p.add_argument("--host-malloc", default="retain", choices=HOST_MALLOC_MODES,
+                   help="on the CPU: retain (glibc keeps freed activation pages mapped, no "
+                        "page faults per layer) or system (glibc's defaults)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="MoE models: each TP rank holds whole experts instead of a slice of "
@@ -191,7 +195,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
         model_id=a.model_id[0] if a.model_id else "",
         tensor_parallel_size=a.tp, enable_expert_parallel=a.enable_expert_parallel,
         kv_host_gb=a.kv_host_gb, kv_ssd_dir=ssd_dir,
-        kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist)
+        kv_ssd_gb=a.kv_ssd_gb, kv_ssd_persist=a.kv_ssd_persist, host_malloc=a.host_malloc)
     if not 0 <= a.drain_timeout <= 3600:
         raise ValueError(f"--drain-timeout must be in [0, 3600] seconds, got {a.drain_timeout}")
     if not -1 <= a.metrics_port <= 65535:
