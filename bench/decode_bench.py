@@ -2,7 +2,7 @@
 transformers, and weight bytes read per second over memory-copy bandwidth. Issue 15.
 
     .venv/bin/python bench/decode_bench.py [--repeats 3] [--threads 2]
-        [--configs eager inductor reference] [--batches 1 32] [--skip-hf]
+        [--configs default mkl eager ...] [--batches 1 32] [--skip-hf]
 
 Engines (one process, all loaded at start; every repeat runs each of them in turn, so the
 machine's noise hits all alike; medians of the repeats, ratios within a repeat):
@@ -17,6 +17,9 @@ machine's noise hits all alike; medians of the repeats, ratios within a repeat):
   C++ attention, whatever the batch): what the mode costs;
 - `python-layers`: `default` with the flat decode loop's layers run from Python
   (`FlatDecode(native=False)`), the baseline for the C++ loop (`kernels/cpu/flat_decoder.cpp`);
+- `mkl`: `default` with torch's oneDNN turned off (`torch.backends.mkldnn.enabled = False`
+  while it runs), so its prefill products go through MKL's sgemm on dequantised tiles, as
+  before oneDNN took them (kernels/cpu/int4_linear.cpp): the baseline of `vs_mkl`;
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
 
 Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
@@ -58,8 +61,10 @@ ENGINES = {
     "reference": {**DENSE, "attention_backend": "torch"},
     "invariant": {"batch_invariant": True},
     "python-layers": {},
+    "mkl": {},
 }
 PYTHON_LAYERS = "python-layers"
+WITHOUT_ONEDNN = "mkl"
 
 
 def load_hf():
@@ -86,11 +91,16 @@ def run_hf(model, prompts, max_new) -> tuple[float, list[list[int]]]:
     return dt, [row[width:width + m].tolist() for row, m in zip(out, max_new, strict=True)]
 
 
-def run_ours(llm: LLM, prompts, max_new) -> tuple[float, list[list[int]]]:
+def run_ours(llm: LLM, prompts, max_new, onednn: bool = True) -> tuple[float, list[list[int]]]:
     params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in max_new]
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = onednn
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        return time.perf_counter() - t0, [o.token_ids for o in outs]
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -112,10 +122,11 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
     for _ in range(repeats):
         copies.append(memcpy_bandwidth())
         for name, llm in engines.items():
-            dt, tokens[name] = run_ours(llm, prompts, max_new)
+            onednn = name != WITHOUT_ONEDNN
+            dt, tokens[name] = run_ours(llm, prompts, max_new, onednn)
             times[name].append(dt)
             if batch == 1:  # the decode steps' own time: less the prefill and first token
-                first, _ = run_ours(llm, prompts, [1])
+                first, _ = run_ours(llm, prompts, [1], onednn)
                 steps[name].append((dt - first) / (max_new[0] - 1))
             print(f"batch {batch} {name}: {useful / dt:.3g} tok/s", flush=True)
         if hf is not None:
@@ -140,9 +151,10 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
         if hf is not None and name != "hf":
             row["vs_hf"] = statistics.median(h / t for h, t in zip(times["hf"], ts,
                                                                     strict=True))
-        if times.get(PYTHON_LAYERS) and name != "hf":
-            row["vs_py_layers"] = statistics.median(
-                p / t for p, t in zip(times[PYTHON_LAYERS], ts, strict=True))
+        for base, column in ((PYTHON_LAYERS, "vs_py_layers"), (WITHOUT_ONEDNN, "vs_mkl")):
+            if times.get(base) and name != "hf":
+                row[column] = statistics.median(
+                    b / t for b, t in zip(times[base], ts, strict=True))
         rows.append(row)
     return rows, {"memcpy_GB_s": statistics.median(copies) / 1e9, "times_s": times}
 
@@ -183,7 +195,8 @@ def main() -> None:
                                 extra["memcpy_GB_s"])
             result["bandwidth"] = bw
     print(f"\nDecode, SmolLM2-135M-Instruct, {a.threads} threads, medians of {a.repeats}")
-    print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "vs_py_layers", "same_greedy"])
+    print_table(rows, ["batch", "engine", "tok_s", "vs_hf", "vs_py_layers", "vs_mkl",
+                       "same_greedy"])
     if bw:
         print("\nBatch 1: weight bytes read per second over memory-copy bandwidth")
         print("(end to end, the prompt's prefill in the time; and over the decode steps alone)")

@@ -120,14 +120,19 @@ def test_cpu_kernel_rows_do_not_depend_on_the_batch(name):
         assert torch.equal(kernel.matmul(x[rows]), full[rows])
 
 
-def test_pdserve_cpu_kernel_is_the_default_and_its_prefill_path_multiplies_the_same_matrix():
+@pytest.mark.parametrize("m, onednn", [(40, True), (200, True), (200, False)])
+def test_pdserve_cpu_kernel_is_the_default_and_its_batch_paths_multiply_the_same_matrix(
+        m, onednn, monkeypatch):
+    # 40 rows: the panel kernel; 200: prefill, through oneDNN on the dequantised weight
+    # where torch has it, else dequantised tiles through at::mm (mkldnn turned off).
     w = random_int4(48, 96, 32)
     kernel = build_int4_matmul(w, torch.float32)
     assert kernel.name == "cpu" and kernel.packed.shape == (12, 192)  # quads of rows
-    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(3))  # > 16 rows: at::mm
+    x = torch.randn(m, 96, generator=torch.Generator().manual_seed(3))
     want = x.double() @ kernel.dequantize().double().t()
-    torch.testing.assert_close(kernel.matmul(x).double(), want, rtol=0,
-                               atol=1e-5 * want.abs().max().item())
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", onednn)
+    got = kernel.matmul(x)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
 
 
 def test_shapes_no_cpu_kernel_takes_fall_back_to_the_reference(caplog):
