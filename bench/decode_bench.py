@@ -19,7 +19,9 @@ machine's noise hits all alike; medians of the repeats, ratios within a repeat):
   (`FlatDecode(native=False)`), the baseline for the C++ loop (`kernels/cpu/flat_decoder.cpp`);
 - `mkl`: `default` with torch's oneDNN turned off (`torch.backends.mkldnn.enabled = False`
   while it runs), so its prefill products go through MKL's sgemm on dequantised tiles, as
-  before oneDNN took them (kernels/cpu/int4_linear.cpp): the baseline of `vs_mkl`;
+  before oneDNN took them (kernels/cpu/int4_linear.cpp): `default`'s baseline in `vs_mkl`;
+- `eager-mkl`: `eager` with oneDNN off, so every dense product is F.linear's (MKL), as before
+  `kernels/onednn.py`: `eager`'s baseline in `vs_mkl`;
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).
 
 Workloads: batch 1 (one 128-token prompt, 128 new tokens) and batch 32 ragged (prompts
@@ -62,9 +64,11 @@ ENGINES = {
     "invariant": {"batch_invariant": True},
     "python-layers": {},
     "mkl": {},
+    "eager-mkl": DENSE,
 }
 PYTHON_LAYERS = "python-layers"
-WITHOUT_ONEDNN = "mkl"
+MKL_TWIN = {"default": "mkl", "eager": "eager-mkl"}
+"""An engine and its twin run with oneDNN off (the `vs_mkl` column)."""
 
 
 def load_hf():
@@ -122,7 +126,7 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
     for _ in range(repeats):
         copies.append(memcpy_bandwidth())
         for name, llm in engines.items():
-            onednn = name != WITHOUT_ONEDNN
+            onednn = name not in MKL_TWIN.values()
             dt, tokens[name] = run_ours(llm, prompts, max_new, onednn)
             times[name].append(dt)
             if batch == 1:  # the decode steps' own time: less the prefill and first token
@@ -151,7 +155,7 @@ def measure(engines: dict, hf, batch: int, repeats: int) -> tuple[list[dict], di
         if hf is not None and name != "hf":
             row["vs_hf"] = statistics.median(h / t for h, t in zip(times["hf"], ts,
                                                                     strict=True))
-        for base, column in ((PYTHON_LAYERS, "vs_py_layers"), (WITHOUT_ONEDNN, "vs_mkl")):
+        for base, column in ((PYTHON_LAYERS, "vs_py_layers"), (MKL_TWIN.get(name), "vs_mkl")):
             if times.get(base) and name != "hf":
                 row[column] = statistics.median(
                     b / t for b, t in zip(times[base], ts, strict=True))

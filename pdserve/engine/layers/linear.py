@@ -18,12 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.layers.native import NativeKind, NativeLinear
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.int4_weight import Int4Weight
+from pdserve.kernels import onednn
 
 Loaded = torch.Tensor | Int4Weight
 """A checkpoint weight as a layer's loader receives it."""
@@ -66,7 +66,7 @@ class LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        return onednn.linear(x, layer.weight, bias)
 
     def flat_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> Matmul | None:
         """`x -> apply(layer, x, bias)` for a 2-D x, bound once to the loaded weights (the
@@ -74,7 +74,7 @@ class LinearMethod:
         Subclasses offer their own or none: the dense one is not theirs."""
         if type(self) is not LinearMethod:
             return None
-        return functools.partial(F.linear, weight=layer.weight, bias=bias)
+        return functools.partial(onednn.linear, weight=layer.weight, bias=bias)
 
     def native_matmul(self, layer: nn.Module, bias: torch.Tensor | None) -> NativeLinear | None:
         """`flat_matmul`'s call as data, for the C++ decode loop (`layers/native.py`), or

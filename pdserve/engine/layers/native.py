@@ -17,7 +17,7 @@ class NativeKind(enum.IntEnum):
     """The operator; the values are FlatDecoder's `LinearKind`."""
 
     DENSE = 0
-    """`F.linear(x, weight, bias)`."""
+    """`F.linear(x, weight, bias)` (through oneDNN where `kernels.onednn` takes it)."""
     INT4 = 1
     """`pdserve_layers::int4_linear(x, packed, scale, offset, group)`."""
     INT4_ROWWISE = 2

@@ -21,9 +21,12 @@
 #include <tuple>
 #include <vector>
 
+#include "onednn.h"
+
 namespace {
 
-// What a linear's forward is (pdserve.engine.layers.native.NativeKind): F.linear(x, w, bias);
+// What a linear's forward is (pdserve.engine.layers.native.NativeKind): F.linear(x, w, bias)
+// (through oneDNN where `pdserve.kernels.onednn.linear` takes it: onednn.h);
 // the int4 kernel; its batch-invariant row-wise form. post_bias, where given, is added after.
 enum class LinearKind : int64_t { kDense = 0, kInt4 = 1, kInt4Rowwise = 2 };
 
@@ -133,7 +136,7 @@ class FlatDecoder : public torch::CustomClassHolder {
     Tensor y;
     switch (m.kind) {
       case LinearKind::kDense:
-        y = at::linear(x, m.tensors[0], m.bias);
+        y = pdserve_onednn::dense_linear(x, m.tensors[0], m.bias);
         break;
       case LinearKind::kInt4:
         y = int4_.call(x, m.tensors[0], m.tensors[1], m.tensors[2], m.group);

@@ -28,9 +28,7 @@
 // instruction there).
 
 #include <ATen/ATen.h>
-#include <ATen/Context.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -38,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "onednn.h"
 #include "panel_gemm.h"
 #include "simd.h"
 
@@ -427,23 +426,9 @@ void gemm(const Int4Args& a, const at::Tensor& x, at::Tensor& y) {
   });
 }
 
-// Prefill with oneDNN: the whole weight dequantised (rows split over the pool), then one
-// `mkldnn::_linear_pointwise` call, threaded inside. MKL's sgemm takes its AVX2 path on AMD
-// CPUs: on the Zen 5 EPYC it ran SmolLM2's prefill shapes at 175-205 GFLOP/s where oneDNN
-// ran them at 450-470 (docs/perf.md). The weight's fp32 copy (K x N x 4 bytes, a few MiB)
-// costs ~3% of the product at 1024 rows. The op's first call at a new M builds a primitive
-// (~1-3 ms, once; oneDNN caches them). torch.backends.mkldnn.enabled = False turns it off.
-const c10::OperatorHandle* onednn_linear() {
-  static const std::optional<c10::OperatorHandle> op =
-      at::hasMKLDNN() ? c10::Dispatcher::singleton().findOp({"mkldnn::_linear_pointwise", ""})
-                      : std::nullopt;
-  return op && op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ? &*op : nullptr;
-}
-
-bool use_onednn() {
-  return onednn_linear() != nullptr && at::globalContext().userEnabledMkldnn();
-}
-
+// Prefill with oneDNN (onednn.h): the whole weight dequantised (rows split over the pool),
+// then one oneDNN product, threaded inside, at 2x MKL's rate on AMD CPUs. The weight's fp32
+// copy (K x N x 4 bytes, a few MiB) costs ~3% of the product at 1024 rows.
 at::Tensor gemm_onednn(const Int4Args& a, const at::Tensor& x) {
   at::Tensor w = at::empty({a.n, a.k}, x.options());
   float* wp = w.data_ptr<float>();
@@ -453,11 +438,7 @@ at::Tensor gemm_onednn(const Int4Args& a, const at::Tensor& x) {
       dequant_row(row_blocks(a.packed, r, a.k), a.scale + r * a.groups, a.offset + r * a.groups,
                   a.k, a.gshift, buf.data(), wp + r * a.k);
   });
-  // Boxed: the op's schema, not a C++ signature this file would have to track.
-  torch::jit::Stack stack{x, w, c10::IValue(), c10::IValue(std::string("none")),
-                          c10::IValue(c10::List<std::optional<c10::Scalar>>()), c10::IValue()};
-  onednn_linear()->callBoxed(&stack);
-  return stack.at(0).toTensor();
+  return pdserve_onednn::product(x, w, std::nullopt);
 }
 
 int log2_exact(int64_t g) {
@@ -508,7 +489,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     gemv(a);
   } else if (m < panel_gemm::kMaxRows) {
     gemm_panels(a);
-  } else if (use_onednn()) {
+  } else if (pdserve_onednn::enabled()) {
     return gemm_onednn(a, xc);
   } else {
     gemm(a, xc, y);
@@ -516,7 +497,7 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Ten
 #else
   if (rowwise || m <= kGemvMaxRows) {
     gemv(a);
-  } else if (m >= kWideTileRows && use_onednn()) {
+  } else if (m >= kWideTileRows && pdserve_onednn::enabled()) {
     return gemm_onednn(a, xc);
   } else {
     gemm(a, xc, y);
