@@ -24,9 +24,9 @@ run() {  # run NAME CMD...: one bench, its output teed to its log, its wall time
 }
 
 run decode_b1 $PY bench/decode_bench.py --repeats $((R + 2)) --threads 2 --batches 1 \
-    --configs default python-layers --output bench/results/decode_b1.json
+    --configs default python-layers mkl --output bench/results/decode_b1.json
 run decode_b32 $PY bench/decode_bench.py --repeats $R --threads 2 --batches 32 \
-    --configs default python-layers --output bench/results/decode_b32.json
+    --configs default python-layers mkl --output bench/results/decode_b32.json
 if $PY -c "import llama_cpp" 2>/dev/null; then
     run cpu_anchor $PY bench/cpu_anchor.py --repeats $R --threads 2 --batches 1 8
 else
