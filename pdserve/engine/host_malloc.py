@@ -6,9 +6,11 @@ torch allocates every CPU tensor with `posix_memalign` and frees it when the las
 goes; it keeps no cache of its own on the CPU. glibc serves a block of 128 KiB or more with a
 fresh `mmap` (its threshold then moves with what is freed) and trims the top of its heap once
 128 KiB there are free. A prefill step of 1024 tokens makes and drops a dozen 6-12 MiB
-activations per layer, so every step met them as new pages: ~34,000 minor page faults a step
-on the real default model, each zero-filling a page (~0.7 s of a 14 s ragged batch-32 run's
-prefill on the Zen 4 VM, docs/perf.md). Fixing both thresholds (`mallopt`: blocks below 32 MiB
+activations per layer; whether they come back as new pages depends on where those moving
+thresholds happen to settle. On the real default model's ragged batch-32 run they often did
+not settle (every run on the Zen 4 VM, one in five on the Zen 5: 0.3-1.5M minor page faults,
+each zero-filling a page, 7-14% of the run) and sometimes did (~10k faults; docs/perf.md).
+Fixing both thresholds (`mallopt`: blocks below 32 MiB
 from the heap, the heap trimmed only past 256 MiB free) keeps those pages mapped from one
 layer to the next, as a caching allocator would; it holds at most what a step's peak needs,
 which the process needed anyway. Larger blocks (the KV cache, weights) are still their own

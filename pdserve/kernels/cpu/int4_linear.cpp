@@ -476,12 +476,21 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Ten
   const at::Tensor xc = x.contiguous(), pc = packed.contiguous();
   const at::Tensor sc = scale.contiguous(), oc = offset.contiguous();
   const int64_t m = xc.size(0), k = xc.size(1), n = sc.size(0);
-  at::Tensor y = at::empty({m, n}, xc.options());
+#if defined(PDSERVE_SIMD)
+  const int64_t onednn_rows = panel_gemm::kMaxRows;
+#else
+  const int64_t onednn_rows = kWideTileRows;
+#endif
+  // Prefill-sized M through oneDNN, which returns its own output; every other path writes y.
+  const bool onednn = !rowwise && m >= onednn_rows && pdserve_onednn::enabled();
+  at::Tensor y = onednn ? at::Tensor() : at::empty({m, n}, xc.options());
   const Int4Args a{xc.data_ptr<float>(),
                    pc.data_ptr<uint8_t>(),
                    reinterpret_cast<const uint16_t*>(sc.data_ptr<at::Half>()),
                    reinterpret_cast<const uint16_t*>(oc.data_ptr<at::Half>()),
-                   y.data_ptr<float>(), m, n, k, k / group, log2_exact(group)};
+                   onednn ? nullptr : y.data_ptr<float>(), m, n, k, k / group,
+                   log2_exact(group)};
+  if (onednn) return gemm_onednn(a, xc);
 #if defined(PDSERVE_SIMD)
   if (rowwise) {
     gemm_panels(a);
@@ -489,16 +498,12 @@ at::Tensor multiply(const at::Tensor& x, const at::Tensor& packed, const at::Ten
     gemv(a);
   } else if (m < panel_gemm::kMaxRows) {
     gemm_panels(a);
-  } else if (pdserve_onednn::enabled()) {
-    return gemm_onednn(a, xc);
   } else {
     gemm(a, xc, y);
   }
 #else
   if (rowwise || m <= kGemvMaxRows) {
     gemv(a);
-  } else if (m >= kWideTileRows && pdserve_onednn::enabled()) {
-    return gemm_onednn(a, xc);
   } else {
     gemm(a, xc, y);
   }
