@@ -40,7 +40,8 @@ async def serve(options: WorkerOptions) -> None:
     # with NIXL, payloads land in a pool registered once, next to the paged cache.
     receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer,
                           tickets=service.sink.ticket, nixl=kv.nixl,
-                          nixl_device=engine.kv_caches[0].device)
+                          nixl_device=engine.kv_caches[0].device,
+                          nixl_destinations=engine.kv_caches)
     receiver.start()
     service.kv_receiver = receiver
     service.kv_sender = KVSender(transfer, nixl=kv.nixl)  # PushKV: others pull our prefixes

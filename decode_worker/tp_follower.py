@@ -88,7 +88,8 @@ class DecodeFollower(FollowerPlugin):
         config = LeaseConfig().transfer_config(host=host, auth_key=kv_auth_key(),
                                                backend=self.kv.backend)
         self.receiver = KVReceiver(host, 0, self.sink, config, tickets=self.sink.ticket,
-                                   nixl=self.kv.nixl, nixl_device=engine.kv_caches[0].device)
+                                   nixl=self.kv.nixl, nixl_device=engine.kv_caches[0].device,
+                                   nixl_destinations=engine.kv_caches)
         self.receiver.start()
         store.set(nixl_key(self.rank), self.receiver.nixl_descriptor)
         store.set(endpoint_key(self.rank), self.receiver.address)

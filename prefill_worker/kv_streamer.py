@@ -131,7 +131,7 @@ class KVStreamer:
                 if not routes[id(s)]:
                     continue
                 src = torch.tensor(s.src, dtype=torch.int64, device=cache.device)
-                blocks = cache.index_select(0, src)  # a copy: the source may be reused
+                blocks = self._gather(cache, src, routes[id(s)], local0)
                 for address, lo, hi in routes[id(s)]:
                     kv = blocks[:, :, lo - local0:hi - local0]
                     kv = kv if kv.is_contiguous() else kv.contiguous()
@@ -143,6 +143,18 @@ class KVStreamer:
                                                      + kv.numel() * kv.element_size())
 
         return hook
+
+    def _gather(self, cache: torch.Tensor, src: torch.Tensor,
+                routes: list[tuple[str, int, int]], local0: int) -> torch.Tensor:
+        """A copy of the blocks (the source may be reused): into a staging slot that a
+        same-host decode rank reads it from when all our heads go to that one rank
+        (`KVSender.stage`), else into a tensor of its own."""
+        if len(routes) == 1 and routes[0][1] == local0 \
+                and routes[0][2] - local0 == cache.shape[2]:
+            out = self.sender.stage(routes[0][0], (len(src), *cache.shape[1:]), cache.dtype)
+            if out is not None:
+                return torch.index_select(cache, 0, src, out=out)
+        return cache.index_select(0, src)
 
     def _routes(self, endpoints: Sequence[Endpoint]) -> list[tuple[str, int, int]]:
         """(address, first head, end head) for each decode rank sharing heads with us."""

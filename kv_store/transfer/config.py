@@ -78,6 +78,12 @@ class TransferConfig:
     eight 3 MiB layers share a message (measured in `docs/perf.md`: 8 slots gave ~10% less
     with the credit counter, 4 about 30% less before it)."""
 
+    nixl_reads: bool = True
+    """Sender with a NIXL agent: a pair to a receiver on this host offers slots of this
+    process's staging pool (`nixl_pool_bytes`, registered once on huge pages) for the
+    receiver to read straight into its cache: one copy instead of two (`nixl_read`).
+    False: every NIXL pair writes into the receiver's landing pool."""
+
     coalesce_max_parts: int = 8
     """Sender: most LAYER parts one message carries when several are queued at once (wire
     `BATCH`, `coalesce`); a part alone goes alone at once. 1: one message per part, as
@@ -107,6 +113,9 @@ class TransferConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"TransferConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.nixl_reads, bool):
+            raise ValueError(f"TransferConfig.nixl_reads must be a bool, got "
+                             f"{self.nixl_reads!r}")
         if self.coalesce_max_parts > MAX_BATCH_PARTS:
             raise ValueError(f"TransferConfig.coalesce_max_parts must be at most "
                              f"{MAX_BATCH_PARTS}, got {self.coalesce_max_parts}")

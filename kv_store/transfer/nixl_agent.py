@@ -21,7 +21,8 @@ gloo/NCCL as before. What this wrapper fixes, and why:
 
 Memory is registered once per buffer (`register`), remote agents are loaded from the
 metadata another worker handed out over the authenticated gRPC hand-off (`connect`), and
-`write` moves local byte ranges into registered remote ones, waiting for completion.
+`write` moves local byte ranges into registered remote ones and `read` the other way, waiting
+for completion.
 """
 
 from __future__ import annotations
@@ -158,12 +159,24 @@ class NixlAgent:
         """Copy each local range into the matching remote range (same lengths) and wait for
         completion; `NixlWriteError` on failure or after `timeout_s` (the request is then
         released, which cancels what it can)."""
-        src = self._agent.get_xfer_descs([(a, n, device) for a, n in local], mem)
-        dst = self._agent.get_xfer_descs([(a, n, device) for a, n in remote], mem)
+        self.transfer("WRITE", peer, (mem, device), local, (mem, device), remote, timeout_s)
+
+    def read(self, peer: str, local_mem: tuple[str, int], local: Sequence[Range],
+             remote_mem: tuple[str, int], remote: Sequence[Range], timeout_s: float) -> None:
+        """Copy each remote range into the matching local one (same lengths) and wait; the
+        memory kinds are (mem, device) pairs. Errors as `write`."""
+        self.transfer("READ", peer, local_mem, local, remote_mem, remote, timeout_s)
+
+    def transfer(self, op: str, peer: str, local_mem: tuple[str, int], local: Sequence[Range],
+                 remote_mem: tuple[str, int], remote: Sequence[Range], timeout_s: float) -> None:
+        """One NIXL transfer ("WRITE" or "READ") between registered ranges, waited for."""
+        (lmem, ldev), (rmem, rdev) = local_mem, remote_mem
+        src = self._agent.get_xfer_descs([(a, n, ldev) for a, n in local], lmem)
+        dst = self._agent.get_xfer_descs([(a, n, rdev) for a, n in remote], rmem)
         try:
-            handle = self._agent.initialize_xfer("WRITE", src, dst, peer)
-        except Exception as exc:  # the remote ranges are not registered there, or no peer
-            raise NixlWriteError(f"cannot write to {peer}: {exc}") from None
+            handle = self._agent.initialize_xfer(op, src, dst, peer)
+        except Exception as exc:  # the ranges are not registered (here or there), or no peer
+            raise NixlWriteError(f"cannot {op.lower()} {peer}: {exc}") from None
         try:
             self._complete(handle, peer, timeout_s)
         finally:
@@ -267,6 +280,12 @@ def configure_ucx(host: str) -> dict[str, str]:
     tls = os.environ.get(UCX_TLS_ENV, "")
     networked = not tls or any(t in tls for t in _NETWORK_TLS)
     return {"ucx_error_handling_mode": "peer" if networked else "none"}
+
+
+def is_local_host(host: str) -> bool:
+    """Whether `host` (an address or name) is this machine: loopback, or held by one of its
+    interfaces. Two workers for which it holds share memory, and CMA copies between them."""
+    return _is_loopback(host) or interface_of(host) is not None
 
 
 def _is_loopback(host: str) -> bool:

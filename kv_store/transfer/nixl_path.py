@@ -35,6 +35,10 @@ receiver sees the LAYER naming it; a pair whose sender never got slots (the pool
 sends its payloads inline. Slots of a pair that broke are quarantined before reuse (a write
 of its sender may still land within its write timeout), and with them its counter (which
 sits at its first slot's line); the pool's memory outlives the receiver by the same bound.
+
+A sender on the receiver's host reads instead (`nixl_read`: an OFFER of its own staging
+slots, which the receiver reads straight into its cache: one copy); the same ring and credit
+counter pace it, and the receiver's slots then only serve as bounce buffers.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import dataclasses
 import mmap
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,6 +61,7 @@ from kv_store.transfer import auth, carrier, wire
 from kv_store.transfer.channel import BACKWARD_TAG, FORWARD_TAG, Channel, ChannelClosed
 from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration, RemoteRead
+from kv_store.transfer.nixl_read import LocalRegions, ReadSource, RemoteKV
 from kv_store.transfer.wire import Header, Kind, ProtocolError
 
 if TYPE_CHECKING:
@@ -128,31 +134,78 @@ class NixlDescriptor:
 
 
 class LandingPool:
-    """A receiver's registered landing memory, cut into slots; thread-safe."""
+    """A receiver's registered landing memory, cut into slots; thread-safe. A sender's
+    staging pool (`nixl_read`) is the same kind of memory."""
 
     def __init__(self, agent: NixlAgent, nbytes: int, slot_bytes: int,
                  device: torch.device | None = None, quarantine_s: float = 30.0) -> None:
-        self._agent = agent
+        self.agent = agent  # registers the pool; a reading pair loads its sender here
         self.slot_bytes = slot_bytes
         self.num_slots = nbytes // slot_bytes
         # the slots, then one credit line per slot (a pair's counter sits at its first slot's)
         nbytes = self.num_slots * (slot_bytes + CREDIT_BYTES)
-        self._buffer = (torch.zeros(nbytes, dtype=torch.uint8, device=device)
-                        if device is not None and device.type != "cpu" else _huge_pages(nbytes))
+        self._region: mmap.mmap | None = None  # a host pool's mapping (what `lend` cuts)
+        if device is not None and device.type != "cpu":
+            self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        else:
+            self._buffer, self._region, self._start = _huge_pages(nbytes)
         self._reg: Registration | None = agent.register(self._buffer)
         dev = self._buffer.get_device() if self._buffer.is_cuda else 0
         self.descriptor = NixlDescriptor(agent.metadata(), self._buffer.data_ptr(), slot_bytes,
                                          self.num_slots, self._reg.mem, dev)
         self._quarantine_s = quarantine_s
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a lent slot may come back while it is held
         self._free: deque[int] = deque(range(self.num_slots))
         self._held: list[tuple[float, list[int]]] = []  # (free again at, slots)
+        self._kept: list[tuple[float, list[torch.Tensor]]] = []  # (dropped at, lent slots)
+        self._holders: weakref.WeakSet = weakref.WeakSet()  # pairs holding lent slots
 
     def take(self, want: int) -> list[int]:
         """Up to `want` free slots (fewer, or none, when the pool runs low)."""
         with self._lock:
             self._reclaim(time.monotonic())
             return [self._free.popleft() for _ in range(min(want, len(self._free)))]
+
+    def lend(self, nbytes: int) -> torch.Tensor | None:
+        """A free slot's first `nbytes`, as a uint8 tensor of its own that returns the slot
+        to the pool once it and every view of it are gone (None: no free slot, `nbytes` does
+        not fit one, or the pool is not in host memory). A sender's staging slots are lent:
+        whoever holds the payload holds its slot, whatever path drops it."""
+        if self._region is None or not 0 < nbytes <= self.slot_bytes:
+            return None
+        slots = self.take(1)
+        if not slots:  # pairs may hold slots their receivers have read by now
+            for holder in list(self._holders):
+                holder.let_go()
+            slots = self.take(1)
+        if not slots:
+            return None
+        at = self._start + slots[0] * self.slot_bytes
+        view = memoryview(self._region)[at:at + nbytes]
+        lent = torch.frombuffer(view, dtype=torch.uint8)
+        weakref.finalize(view, self.give_back, slots, False)  # when the storage is freed
+        return lent
+
+    def held_by(self, holder: Any) -> None:
+        """`holder.let_go()` returns lent slots it no longer needs; asked when none is free."""
+        self._holders.add(holder)
+
+    def keep(self, lent: list[torch.Tensor]) -> None:
+        """Hold lent slots for the quarantine (a reader may still be under way), then let
+        them go back."""
+        with self._lock:
+            self._kept.append((time.monotonic() + self._quarantine_s, list(lent)))
+
+    def slot_of(self, tensor: torch.Tensor) -> int | None:
+        """The slot `tensor`'s bytes start and fit in, if they lie in this pool."""
+        if tensor.is_cuda != self._buffer.is_cuda:
+            return None
+        at = tensor.data_ptr() - self._buffer.data_ptr()
+        slot, offset = divmod(at, self.slot_bytes)
+        nbytes = tensor.numel() * tensor.element_size()
+        if not 0 <= slot < self.num_slots or offset or nbytes > self.slot_bytes:
+            return None
+        return slot
 
     def give_back(self, slots: list[int], quarantined: bool) -> None:
         """Return a pair's slots; `quarantined`: its sender may still write into them."""
@@ -184,7 +237,7 @@ class LandingPool:
         write is still under way."""
         if self._reg is None:
             return
-        self._agent.deregister(self._reg)
+        self.agent.deregister(self._reg)
         self._reg = None
         keep = threading.Timer(self._quarantine_s, lambda buf=self._buffer: None)
         keep.daemon = True
@@ -195,22 +248,25 @@ class LandingPool:
         self._held = [(until, slots) for until, slots in self._held if until > now]
         for slots in ready:
             self._free.extend(slots)
+        self._kept = [(until, lent) for until, lent in self._kept if until > now]
 
 
 _HUGE_PAGE = 2 << 20
 
 
-def _huge_pages(nbytes: int) -> torch.Tensor:
+def _huge_pages(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int]:
     """A zeroed CPU buffer on transparent huge pages where the kernel grants them: a CMA
-    write pins every destination page, and 2 MiB pages made a 3 MiB write ~25% faster
-    (measured, `docs/perf.md`). The tensor keeps its mapping alive; plain pages otherwise."""
+    copy runs at the pace of the other process's pages (a READ from 2 MiB pages 0.8 of a
+    memcpy, from 4 KiB ones 0.35; a write into them ~25% faster: `docs/perf.md`). The
+    tensor keeps its mapping alive; plain pages otherwise. Also the mapping and where the
+    tensor starts in it."""
     region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % _HUGE_PAGE
     if hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # no THP in this kernel: plain pages
             region.madvise(mmap.MADV_HUGEPAGE)
-    return whole[start:start + nbytes]
+    return whole[start:start + nbytes], region, start
 
 
 class NixlSend:
@@ -219,8 +275,9 @@ class NixlSend:
     transport = "nixl"
 
     def __init__(self, agent: NixlAgent, peer: NixlDescriptor, fallback: Any,
-                 cap: int = 1) -> None:
-        """`cap`: `TransferConfig.coalesce_max_parts`."""
+                 cap: int = 1, staging: LandingPool | None = None) -> None:
+        """`cap`: `TransferConfig.coalesce_max_parts`; `staging`: this process's staging
+        pool, for a receiver on this host (the pair OFFERs it: `nixl_read`)."""
         self._agent = agent
         self._peer = peer
         self._peer_name = agent.connect(peer.metadata)
@@ -238,6 +295,13 @@ class NixlSend:
         self._read: RemoteRead | None = None
         self._granted = False  # the receiver's GRANT arrived
         self._closed = False
+        self._staging = staging
+        self._offered = False  # an OFFER was tried (once, before the first slot part)
+        self.reading = False
+        """The receiver reads this pair's parts from staging slots (`nixl_read`)."""
+        # parts sent but maybe not read yet: (parts written once it is sent, its lent slot)
+        self._unread: deque[tuple[int, torch.Tensor]] = deque()
+        self._credit_lock = threading.Lock()  # the counter is also read for `let_go`
 
     @property
     def batch_limit(self) -> int:
@@ -271,15 +335,24 @@ class NixlSend:
                 return
         self.close()  # torn down meanwhile: release what close() could not see
 
-    def close(self) -> None:
+    def close(self, clean: bool = False) -> None:
+        """`clean`: the receiver hung up after the close handshake (it reads no more)."""
         with self._cv:
             self._closed = True
             read, reg, self._credit_reg = self._read, self._credit_reg, None
             self._cv.notify_all()
+        if read is not None and self._unread and not clean:
+            # what the receiver has read by now is free at once; only the rest waits
+            with contextlib.suppress(ChannelClosed, ProtocolError):
+                self._read_credit(time.monotonic() + 0.5)
+        with self._credit_lock:
+            unread, self._unread = [lent for _, lent in self._unread], deque()
         if read is not None:  # waits for a read under way; later ones fail
             read.release()
         if reg is not None:
             self._agent.deregister(reg)
+        if unread and not clean:  # the receiver may still be reading them
+            self._staging.keep(unread)
 
     def send_layers(self, channel: Channel, items: Sequence[Outgoing],
                     timeout_s: float) -> list[int]:
@@ -290,19 +363,28 @@ class NixlSend:
         regs: list[Registration] = []
         try:
             granted = self._wait_granted(time.monotonic() + timeout_s)
+            if granted and self._staging is not None and not self._offered:
+                self._offer(channel, timeout_s)
+            limit = (min(self._peer.slot_bytes, self._staging.slot_bytes) if self.reading
+                     else self._peer.slot_bytes)
             for item in items:
                 payload = carrier.to_carrier(item.payload)
                 nbytes = payload.numel() * payload.element_size()
                 per_block = nbytes // max(len(item.header.blocks), 1)
-                if not granted or not 0 < per_block <= self._peer.slot_bytes \
-                        or not self._peer.accepts(payload):
+                split = (_split(item, payload, per_block, limit)
+                         if granted and 0 < per_block <= limit and self._peer.accepts(payload)
+                         else None)
+                if split is not None and self.reading:
+                    split = self._stage(split, timeout_s)
+                if split is None:
                     self._flush(channel, parts, timeout_s)  # what precedes it goes first
                     self._fallback.send_layers(channel, [item], timeout_s)
                 else:
                     if item.ready is not None:
                         item.ready.synchronize()  # a CUDA payload: NIXL copies outside streams
-                    regs.append(self._agent.register(payload))
-                    parts += _split(item, payload, per_block, self._peer.slot_bytes)
+                    if not self.reading:  # a read comes from the staging pool instead
+                        regs.append(self._agent.register(payload))
+                    parts += split
                 sizes.append(nbytes)
             self._flush(channel, parts, timeout_s)
         finally:
@@ -310,26 +392,66 @@ class NixlSend:
                 self._agent.deregister(reg)
         return sizes
 
+    def _offer(self, channel: Channel, timeout_s: float) -> None:
+        """Offer the receiver the staging pool to read from (once, before any slot part);
+        the receiver's granted slots still set the window."""
+        self._offered = True
+        channel.send(FORWARD_TAG, Header(Kind.OFFER, body=self._staging.descriptor.encode()),
+                     None, timeout_s)
+        self.reading = True
+        self._staging.held_by(self)
+
+    def _stage(self, parts: list[_Part], timeout_s: float) -> list[_Part] | None:
+        """The parts in staging slots: as they are when the payload was gathered into one
+        (`KVSender.stage`), else each copied into a slot lent now (waiting for the receiver
+        to read parts of ours when the pool is out of slots); None (send inline) for a
+        device payload, or when the pool has no slot free and we hold none."""
+        if len(parts) == 1 and parts[0].src == parts[0].payload.data_ptr() \
+                and self._staging.slot_of(parts[0].payload) is not None:
+            return parts
+        if parts[0].payload.is_cuda:
+            return None
+        staged = []
+        for p in parts:
+            lent = self._staging.lend(p.nbytes)
+            if lent is None and self._unread:  # ours come back as the receiver reads them
+                self._await_credit(self._unread[0][0], time.monotonic() + timeout_s)
+                lent = self._staging.lend(p.nbytes)
+            if lent is None:
+                return None
+            lent.copy_(p.data())
+            staged.append(_Part(p.header, lent, lent.data_ptr(), p.nbytes))
+        return staged
+
     def _flush(self, channel: Channel, parts: list[_Part], timeout_s: float) -> None:
-        """Send `parts` (emptying it): per message, one NIXL write of its slots, then its
-        header (a LAYER, or a BATCH of them)."""
+        """Send `parts` (emptying it): per message, one NIXL write of its slots (or, on a
+        reading pair, a copy into its staging slots), then its header (a LAYER, or a BATCH
+        of them)."""
         while parts:
             deadline = time.monotonic() + timeout_s
             slots = self._take(len(parts), deadline)
             run, parts[:] = parts[:len(slots)], parts[len(slots):]
             dev = run[0].payload.get_device() if run[0].payload.is_cuda else 0
-            try:
-                self._agent.write(self._peer_name, self._peer.mem, dev,
-                                  [(p.src, p.nbytes) for p in run],
-                                  [(self._peer.slot_address(s), p.nbytes)
-                                   for p, s in zip(run, slots, strict=True)],
-                                  max(deadline - time.monotonic(), 0.001))
-            except NixlWriteError as exc:
-                raise ChannelClosed(str(exc)) from None
+            if self.reading:  # the parts wait in staging slots, for the receiver to read
+                slots = [self._staging.slot_of(p.payload) for p in run]
+                with self._credit_lock:
+                    self._unread.extend((self._written, p.payload) for p in run)
+            else:
+                self._write(run, slots, dev, deadline)
             header = wire.batch(tuple(dataclasses.replace(p.header, slot=s)
                                       for p, s in zip(run, slots, strict=True)))
             # not waited for here: the next message's write overlaps its delivery
             channel.post(FORWARD_TAG, header, max(deadline - time.monotonic(), 0.001))
+
+    def _write(self, run: list[_Part], slots: list[int], dev: int, deadline: float) -> None:
+        try:
+            self._agent.write(self._peer_name, self._peer.mem, dev,
+                              [(p.src, p.nbytes) for p in run],
+                              [(self._peer.slot_address(s), p.nbytes)
+                               for p, s in zip(run, slots, strict=True)],
+                              max(deadline - time.monotonic(), 0.001))
+        except NixlWriteError as exc:
+            raise ChannelClosed(str(exc)) from None
 
     def _wait_granted(self, deadline: float) -> bool:
         """Whether this pair owns slots (waits for the receiver's first GRANT)."""
@@ -348,6 +470,14 @@ class NixlSend:
         self._written += n
         return slots
 
+    def let_go(self) -> None:
+        """Drop the parts the receiver has read by now, so their staging slots go back to
+        the pool (any thread: the pool asks when it runs out; a failed read is left to the
+        pair's own thread to notice)."""
+        if self._unread and not self._closed:
+            with contextlib.suppress(ChannelClosed, ProtocolError):
+                self._read_credit(time.monotonic() + 1.0)
+
     def _await_credit(self, target: int, deadline: float) -> None:
         """Read the receiver's credit counter until it has released `target` parts; short
         pauses between reads (each ~2 us) so a wait costs the cores next to nothing."""
@@ -355,6 +485,17 @@ class NixlSend:
         while True:
             if self._closed:
                 raise ChannelClosed("pair closed")
+            if self._read_credit(deadline) >= target:
+                return
+            if time.monotonic() >= deadline:
+                raise ChannelClosed("the receiver released no landing slot in time")
+            pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
+            time.sleep(pause)
+
+    def _read_credit(self, deadline: float) -> int:
+        """Read the counter once: the parts released (as known, if the read was torn); lets
+        go of the staging slots of the parts read."""
+        with self._credit_lock:
             try:
                 self._read.read(max(deadline - time.monotonic(), 0.001))
             except NixlWriteError as exc:
@@ -367,12 +508,9 @@ class NixlSend:
                     raise ProtocolError(f"credit counter says {count} parts released, of "
                                         f"{self._written} written ({self._released} before)")
                 self._released = count
-                if count >= target:
-                    return
-            if time.monotonic() >= deadline:
-                raise ChannelClosed("the receiver released no landing slot in time")
-            pause = min(_POLL_MAX_S, pause * 2 or 0.00002)
-            time.sleep(pause)
+            while self._unread and self._unread[0][0] <= self._released:
+                self._unread.popleft()  # read: its slot goes back once nothing holds it
+            return self._released
 
     def _wait(self, ready, deadline: float, what: str) -> None:
         """Wait (holding the condition) until `ready()`; `ChannelClosed` at the deadline or
@@ -387,12 +525,20 @@ class NixlSend:
 
 
 class NixlReceive:
-    """Receiver end: owns some of the pool's slots, hands them out and takes them back."""
+    """Receiver end: owns some of the pool's slots, hands them out and takes them back; or,
+    once the sender OFFERs its staging slots, reads the parts from them (`nixl_read`)."""
 
     transport = "nixl"
 
-    def __init__(self, pool: LandingPool | None, want: int, fallback: Any) -> None:
+    def __init__(self, pool: LandingPool | None, want: int, fallback: Any,
+                 regions: LocalRegions | None = None, read_timeout_s: float = 30.0) -> None:
+        """`regions`: memory the sink lands payloads in, registered (reads go straight
+        there); `read_timeout_s`: the longest a read from the sender may take."""
         self._pool = pool
+        self._regions = regions
+        self._read_timeout_s = read_timeout_s
+        self._source: ReadSource | None = None  # set by the sender's OFFER
+        self._staging: NixlDescriptor | None = None
         self._slots = pool.take(want) if pool is not None else []
         self._received = 0  # slot parts received (the next must name ring[received % n])
         self._released = 0  # of which copied out: published in the credit counter
@@ -409,9 +555,32 @@ class NixlReceive:
         channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=tuple(self._slots),
                                           credit=self._credit_address), None, timeout_s)
 
-    def payload(self, channel: Channel, header: Header, timeout_s: float) -> torch.Tensor:
+    def on_offer(self, header: Header) -> None:
+        """The sender's staging slots: from now on each slot part is read from them."""
+        if self._source is not None or self._received:
+            raise ProtocolError("an OFFER after the pair's first slot part, or a second one")
+        if not self._slots:
+            raise ProtocolError("an OFFER on a pair granted no landing slots")
+        try:
+            staging = NixlDescriptor.decode(header.body)
+        except ValueError as exc:
+            raise ProtocolError(f"OFFER: {exc}") from None
+        if staging.mem != "DRAM":
+            raise ProtocolError("OFFER of a staging pool outside host memory")
+        try:
+            peer = self._pool.agent.connect(staging.metadata)
+        except Exception as exc:  # NIXL refuses the metadata
+            raise ProtocolError(f"OFFER names an agent NIXL cannot load: {exc}") from None
+        self._staging = staging
+        self._source = ReadSource(self._pool.agent, peer, (staging.mem, staging.device),
+                                  self._regions, self._read_timeout_s)
+
+    def payload(self, channel: Channel, header: Header, timeout_s: float
+                ) -> torch.Tensor | RemoteKV:
         if header.slot < 0:
             return self._fallback.payload(channel, header, timeout_s)
+        if self._source is not None:
+            return self._remote(header)
         n = len(self._slots)
         if not n or header.slot != self._slots[self._received % n] \
                 or self._received - self._released >= n:
@@ -423,6 +592,23 @@ class NixlReceive:
         self._received += 1
         return carrier.carrier_view(self._pool.view(header.slot, nbytes), header.shape,
                                  header.dtype)
+
+    def _remote(self, header: Header) -> RemoteKV:
+        """A part to read from the sender's staging slot `header.slot` (its own memory: which
+        slot is its business; the window of parts not yet released is ours)."""
+        if header.slot >= self._staging.num_slots \
+                or self._received - self._released >= len(self._slots):
+            raise ProtocolError(f"LAYER names staging slot {header.slot} of "
+                                f"{self._staging.num_slots}, or more parts than the window")
+        nbytes = wire.payload_nbytes(header.shape, header.dtype)
+        if nbytes > min(self._staging.slot_bytes, self._pool.slot_bytes):
+            raise ProtocolError(f"LAYER of {nbytes} bytes does not fit a slot")
+        # parts not yet released <= our slots: each has a bounce slot of its own
+        bounce = self._pool.view(self._slots[self._received % len(self._slots)],
+                                 self._pool.slot_bytes)
+        self._received += 1
+        return RemoteKV(header.shape, header.dtype, self._source,
+                        self._staging.slot_address(header.slot), bounce)
 
     def release(self, channel: Channel, parts: Sequence[Header], timeout_s: float) -> None:
         done = sum(1 for p in parts if p.slot >= 0)
@@ -454,6 +640,11 @@ class _Part:
     payload: torch.Tensor  # the registered carrier (kept alive until written)
     src: int
     nbytes: int
+
+    def data(self) -> torch.Tensor:
+        """The part's bytes (a uint8 view of the payload)."""
+        at = self.src - self.payload.data_ptr()
+        return self.payload.reshape(-1).view(torch.uint8)[at:at + self.nbytes]
 
 
 def _split(item: Outgoing, payload: torch.Tensor, per_block: int, slot_bytes: int

@@ -8,6 +8,7 @@ differs from another only in its payload path, chosen when the pair opens:
     sender reader thread:  GRANT ─► SendPath.on_grant(header)   (NIXL: once, at the start)
     receiver pair thread:  start(channel) ─► message ─► payload(channel, part) ─► handler,
                            for each LAYER part ─► release(channel, parts) ... ─► close(clean)
+                           (NIXL, same host: OFFER ─► on_offer(header), once, first)
 
 The pair thread hands the path every LAYER that is queued (up to `coalesce_max_parts`), and
 the path puts parts that are ready together into one message (`coalesce`).
@@ -16,7 +17,9 @@ the path puts parts that are ready together into one message (`coalesce`).
 gloo for CPU tensors, NCCL for CUDA ones (`Channel`). `NixlSend` / `NixlReceive`
 (`nixl_path`): the sender writes the bytes into a slot of the receiver's registered landing
 pool with NIXL, then sends a header naming the slot; the receiver copies them out and counts
-the slot released in the pair's credit counter, which the sender reads.
+the slot released in the pair's credit counter, which the sender reads. On one host the
+sender offers slots of its own staging pool instead, and the receiver reads from them
+(`nixl_read`): its payloads are then `RemoteKV`s, which a sink lands itself.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.wire import Header, ProtocolError
 
 if TYPE_CHECKING:
+    from kv_store.transfer.nixl_read import RemoteKV
     from kv_store.transfer.sender_pair import Outgoing
 
 
@@ -52,8 +56,9 @@ class SendPath(Protocol):
     def on_grant(self, header: Header) -> None:
         """The receiver handed over landing slots (GRANT on the backward direction)."""
 
-    def close(self) -> None:
-        """The pair ended: wake and fail any wait."""
+    def close(self, clean: bool = False) -> None:
+        """The pair ended (`clean`: the receiver hung up after the close handshake, so it
+        reads nothing more): wake and fail any wait."""
 
 
 class ReceivePath(Protocol):
@@ -62,7 +67,11 @@ class ReceivePath(Protocol):
     def start(self, channel: Channel, timeout_s: float) -> None:
         """The pair is open (tell the sender what it may use)."""
 
-    def payload(self, channel: Channel, header: Header, timeout_s: float) -> torch.Tensor:
+    def on_offer(self, header: Header) -> None:
+        """The sender offered its staging slots (OFFER; `ProtocolError` where it may not)."""
+
+    def payload(self, channel: Channel, header: Header, timeout_s: float
+                ) -> torch.Tensor | RemoteKV:
         """The payload of a LAYER header, valid until `release` (`ProtocolError` if the
         header names something this pair was not given)."""
 
@@ -100,7 +109,7 @@ class InlineSend:
     def on_grant(self, header: Header) -> None:
         raise ProtocolError("GRANT on a pair without a landing pool")
 
-    def close(self) -> None:
+    def close(self, clean: bool = False) -> None:
         pass
 
 
@@ -109,6 +118,9 @@ class InlineReceive:
 
     def start(self, channel: Channel, timeout_s: float) -> None:
         pass
+
+    def on_offer(self, header: Header) -> None:
+        raise ProtocolError("OFFER on a pair without NIXL")
 
     def payload(self, channel: Channel, header: Header, timeout_s: float) -> torch.Tensor:
         return channel.recv_payload(header, timeout_s)

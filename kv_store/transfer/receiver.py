@@ -9,7 +9,11 @@ its terminal call (`on_done` or `on_failed`, exactly one of which is made per re
 With a NIXL agent (`nixl`), the receiver also registers a landing pool once and offers it in
 `nixl_descriptor` (for the owner to hand out over its authenticated control plane); pairs
 whose hello names transport "nixl" get slots of it (`nixl_path`), and their payloads reach the
-sink as views of those slots. Nothing else differs between transports.
+sink as views of those slots. A sender on this host may offer its own staging slots instead
+(`nixl_read`): then a sink that lands payloads itself (`reads_in_place`) gets `RemoteKV`s and
+reads them straight into its memory (`nixl_destinations`, registered once: the paged cache);
+any other sink gets them read into a landing slot first. Nothing else differs between
+transports.
 
 A request's deadline is its sender's lease: every LAYER/DONE header says what is left of it,
 and the request fails (`on_failed`) when it runs out before the DONE marker arrived.
@@ -33,7 +37,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol
@@ -46,6 +50,7 @@ from kv_store.transfer.auth import PairKeys
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.nixl_agent import NixlAgent
 from kv_store.transfer.nixl_path import LandingPool, NixlReceive
+from kv_store.transfer.nixl_read import LocalRegions, RemoteKV
 from kv_store.transfer.payload import InlineReceive, ReceivePath
 from kv_store.transfer.receiver_pair import ReceiverPair
 from kv_store.transfer.rendezvous import Hello, Reply
@@ -65,7 +70,8 @@ class ReceiveSink(Protocol):
         """One layer's blocks arrived; `kv[i]` belongs in block `block_ids[i]`. `kv` is valid
         only during the call (it may be a view of a NIXL landing slot): copy what you keep. A
         sink that receives head slices (`head_start` > 0, tensor-parallel re-sharding) takes
-        the keyword; it is only passed when non-zero."""
+        the keyword; it is only passed when non-zero. A sink whose `reads_in_place` is True
+        may be given a `RemoteKV` instead (`nixl_read`), which it lands with `read_runs`."""
 
     def on_done(self, request_id: str, body: bytes) -> None:
         """Every layer of the request arrived; `body` is what the sender passed to finish()."""
@@ -93,11 +99,14 @@ class KVReceiver:
         self, host: str, port: int, sink: ReceiveSink, config: TransferConfig | None = None,
         tickets: Callable[[str], bytes | None] | None = None,
         nixl: NixlAgent | None = None, nixl_device: torch.device | None = None,
+        nixl_destinations: Sequence[torch.Tensor] = (),
     ) -> None:
         """`tickets(wire request id)`: the ticket that request's frames must be tagged under,
         None if it is not expected (see the module docstring); None = frames are not bound
         to tickets (transport tools and tests). `nixl`: this process's NIXL agent, with
-        which the landing pool is registered (on `nixl_device`, default the CPU)."""
+        which the landing pool is registered (on `nixl_device`, default the CPU), and the
+        memory the sink lands payloads in (`nixl_destinations`, contiguous tensors: the paged
+        cache), so that reads from a same-host sender go straight there."""
         if not isinstance(host, str):
             raise ValueError(f"host must be a str, got {type(host).__name__}")
         if not isinstance(port, int) or not 0 <= port < 65536:
@@ -121,10 +130,15 @@ class KVReceiver:
         shown = f"[{host}]" if ":" in host else host
         self.address = f"{shown}:{self._store.port}"
         self._pool: LandingPool | None = None
+        self._regions: LocalRegions | None = None
+        self._in_place = bool(getattr(sink, "reads_in_place", False))
         if nixl is not None:
             self._pool = LandingPool(nixl, self._config.nixl_pool_bytes,
                                      self._config.nixl_slot_bytes, nixl_device,
                                      quarantine_s=self._config.io_timeout_s)
+            self._regions = LocalRegions(nixl)
+            for tensor in nixl_destinations:
+                self._regions.add(tensor)
         self.nixl_descriptor = self._pool.descriptor.encode() if self._pool else b""
         """What a sender needs to write into this receiver's landing pool (b"": none)."""
         self._lock = threading.Lock()
@@ -203,6 +217,7 @@ class KVReceiver:
             self._fail(rec, "receiver closed")
         if self._pool is not None:
             self._pool.close()
+            self._regions.close()
         self._store = None  # the store server stops with its last reference
 
     def __enter__(self) -> KVReceiver:
@@ -213,14 +228,17 @@ class KVReceiver:
 
     # ---- pair handler (called from pair threads) ---------------------------------------------
 
-    def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
+    def on_message(self, pair: ReceiverPair, header: Header,
+                   payload: torch.Tensor | RemoteKV | None) -> None:
         if not self._ticket_ok(pair, header):
             return
         rec = self._record_for(pair, header)
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
-            self._stats.add_received(payload.numel() * payload.element_size(), header.slot >= 0)
+            nbytes = (payload.nbytes if isinstance(payload, RemoteKV)
+                      else payload.numel() * payload.element_size())
+            self._stats.add_received(nbytes, header.slot >= 0)
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
             self._deliver_done(rec, header.body)
@@ -271,11 +289,14 @@ class KVReceiver:
                 self._bound.setdefault(pair, set()).add(request_id)
             return rec
 
-    def _deliver_layer(self, rec: _Inbound, header: Header, kv: torch.Tensor) -> None:
+    def _deliver_layer(self, rec: _Inbound, header: Header, kv: torch.Tensor | RemoteKV
+                       ) -> None:
         with rec.deliver:
             if not self._begin(rec):
                 return
             try:
+                if isinstance(kv, RemoteKV) and not self._in_place:
+                    kv = kv.tensor()
                 if header.head_start:
                     self._sink.on_layer(rec.request_id, header.layer, list(header.blocks), kv,
                                         head_start=header.head_start)
@@ -409,7 +430,8 @@ class KVReceiver:
         payloads then come inline); others receive inline."""
         if hello.transport != "nixl":
             return InlineReceive()
-        return NixlReceive(self._pool, self._config.nixl_slots_per_pair, InlineReceive())
+        return NixlReceive(self._pool, self._config.nixl_slots_per_pair, InlineReceive(),
+                           self._regions, self._config.io_timeout_s)
 
     def _lru_idle(self, pairs: list[ReceiverPair]) -> ReceiverPair | None:
         idle = [p for p in pairs if not self._bound.get(p)]

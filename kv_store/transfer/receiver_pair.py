@@ -32,6 +32,7 @@ from kv_store.transfer.channel import (
     build_channel,
 )
 from kv_store.transfer.config import TransferConfig
+from kv_store.transfer.nixl_read import RemoteKV
 from kv_store.transfer.payload import InlineReceive, ReceivePath
 from kv_store.transfer.rendezvous import Hello
 from kv_store.transfer.wire import Header, Kind, ProtocolError
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class PairHandler(Protocol):
-    def on_message(self, pair: ReceiverPair, header: Header, payload: torch.Tensor | None) -> None:
+    def on_message(self, pair: ReceiverPair, header: Header,
+                   payload: torch.Tensor | RemoteKV | None) -> None:
         """A LAYER (with its payload), DONE or ABORT message arrived on `pair`."""
 
     def on_down(self, pair: ReceiverPair, reason: str) -> None:
@@ -96,7 +98,7 @@ class ReceiverPair:
 
     @property
     def nixl(self) -> bool:
-        """Whether payloads of this pair land in NIXL landing slots."""
+        """Whether payloads of this pair land in NIXL landing slots (or are read)."""
         return getattr(self._path, "num_slots", 0) > 0
 
     @property
@@ -131,6 +133,10 @@ class ReceiverPair:
                 self.last_used = time.monotonic()
                 if header.kind in (Kind.LAYER, Kind.BATCH):
                     self._deliver(wire.layers_of(header))
+                elif header.kind is Kind.OFFER:
+                    self._path.on_offer(header)
+                elif header.kind is Kind.GRANT:
+                    raise ProtocolError("a GRANT from the sender")
                 else:
                     self._handler.on_message(self, header, None)
             clean = True
@@ -176,7 +182,7 @@ class ReceiverPair:
             if taken:
                 self._path.release(self._channel, taken, self._config.io_timeout_s)
 
-    def _payload(self, header: Header) -> torch.Tensor:
+    def _payload(self, header: Header) -> torch.Tensor | RemoteKV:
         nbytes = wire.payload_nbytes(header.shape, header.dtype)
         if nbytes > self._config.max_message_bytes:
             raise ProtocolError(f"payload of {nbytes} bytes exceeds max_message_bytes")

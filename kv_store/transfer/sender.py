@@ -18,12 +18,15 @@ every header of the request (`auth.ticket_tag`): the receiver accepts only those
 
 With a NIXL agent (`nixl`), a receiver whose landing pool the caller registered with
 `add_peer` (its `NixlDescriptor`, handed out by the receiving worker over gRPC) gets pairs of
-transport "nixl": their payloads are written into the pool (`nixl_path`); every other
-receiver, and payloads on another device than the pool, use gloo/NCCL as configured.
+transport "nixl": their payloads are written into the pool (`nixl_path`) or, for a receiver
+on this host, copied into this sender's staging pool for the receiver to read (`nixl_read`,
+`TransferConfig.nixl_reads`); every other receiver, and payloads on another device than the
+pool, use gloo/NCCL as configured.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -37,8 +40,8 @@ import torch
 from kv_store.transfer import auth, carrier
 from kv_store.transfer.checks import check_body, check_layer, check_lease, check_request_id
 from kv_store.transfer.config import TransferConfig
-from kv_store.transfer.nixl_agent import NixlAgent
-from kv_store.transfer.nixl_path import NixlDescriptor
+from kv_store.transfer.nixl_agent import NixlAgent, is_local_host
+from kv_store.transfer.nixl_path import LandingPool, NixlDescriptor
 from kv_store.transfer.rendezvous import parse_address
 from kv_store.transfer.sender_pair import Outgoing, SenderPair
 from kv_store.transfer.state import (
@@ -81,6 +84,7 @@ class KVSender:
         self._config = config or TransferConfig()
         self._nixl = nixl
         self._peers: dict[str, NixlDescriptor] = {}  # landing pools by receiver address
+        self._staging: LandingPool | None = None  # what same-host receivers read (lazily)
         self._lock = threading.Lock()
         self._pairs: OrderedDict[_PairKey, SenderPair] = OrderedDict()  # LRU order
         self._bound: dict[SenderPair, set[str]] = {}  # live requests riding on each pair
@@ -109,6 +113,24 @@ class KVSender:
     @property
     def nixl_enabled(self) -> bool:
         return self._nixl is not None
+
+    def stage(self, address: str, shape: Sequence[int], dtype: torch.dtype
+              ) -> torch.Tensor | None:
+        """An empty CPU tensor in a slot of this process's staging pool, for a payload to
+        the receiver at `address` to be gathered into: sent with `send_layer`, the receiver
+        reads it from there (`nixl_read`), with no copy on this side. None where that does
+        not apply (no NIXL, a receiver on another host, reads off, no slot free, a payload
+        larger than a slot): gather into a tensor of your own."""
+        if self._nixl is None:
+            return None
+        with self._lock:
+            staging = (self._staging_for(address) if address in self._peers and not
+                       self._closed else None)
+        if staging is None:
+            return None
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        lent = staging.lend(nbytes)
+        return None if lent is None else lent.view(dtype).view(tuple(shape))
 
     def send_layer(
         self, address: str, request_id: str, layer: int, block_ids: Sequence[int],
@@ -194,6 +216,7 @@ class KVSender:
             extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._requests),
                      "pairs_nixl": sum(1 for p in self._pairs.values()
                                        if p.transport == "nixl"),
+                     "pairs_nixl_reading": sum(1 for p in self._pairs.values() if p.reading),
                      # waits for a landing slot to come back (backpressure), open pairs
                      "nixl_slot_waits": sum(p.slot_waits for p in self._pairs.values())}
         return self._stats.snapshot(**extra)
@@ -219,6 +242,8 @@ class KVSender:
         for pair in pairs:  # a receiver that hangs must not keep our threads blocked
             pair.abort("sender closed")
             pair.join(self._config.close_timeout_s)
+        if self._staging is not None:  # its memory outlives a read still under way
+            self._staging.close()
 
     def __enter__(self) -> KVSender:
         return self
@@ -375,12 +400,23 @@ class KVSender:
                                 f"cannot open one to {address}")
         nixl = None
         if transport == "nixl":
-            nixl = (self._nixl, self._peers[address])
+            nixl = (self._nixl, self._peers[address], self._staging_for(address))
         pair = SenderPair(address, transport, device, self._config, self, nixl)
         self._pairs[key] = pair
         self._bound[pair] = set()
         pair.start()
         return pair
+
+    def _staging_for(self, address: str) -> LandingPool | None:
+        """This process's staging pool, if the receiver at `address` reads from it (it is on
+        this host, and reads are on); made on first use (caller holds self._lock)."""
+        if not self._config.nixl_reads or not is_local_host(parse_address(address)[0]):
+            return None
+        if self._staging is None:
+            cfg = self._config
+            self._staging = LandingPool(self._nixl, cfg.nixl_pool_bytes, cfg.nixl_slot_bytes,
+                                        quarantine_s=cfg.io_timeout_s)
+        return self._staging
 
     def _evict_one(self) -> bool:
         """Close the least recently used idle pair; False if every pair is busy."""

@@ -43,7 +43,7 @@ from kv_store.transfer.channel import (
 )
 from kv_store.transfer.config import TransferConfig
 from kv_store.transfer.nixl_agent import NixlAgent
-from kv_store.transfer.nixl_path import NixlDescriptor, NixlSend
+from kv_store.transfer.nixl_path import LandingPool, NixlDescriptor, NixlSend
 from kv_store.transfer.payload import InlineSend, SendPath
 from kv_store.transfer.wire import MAX_BATCH_BLOCKS, Header, Kind, ProtocolError
 
@@ -92,10 +92,11 @@ class SenderPair:
         cuda_device: torch.device | None,
         config: TransferConfig,
         listener: PairListener,
-        nixl: tuple[NixlAgent, NixlDescriptor] | None = None,
+        nixl: tuple[NixlAgent, NixlDescriptor, LandingPool | None] | None = None,
     ) -> None:
-        """`nixl`: this process's agent and the receiver's landing pool, for a pair whose
-        `transport` is "nixl"."""
+        """`nixl`: this process's agent, the receiver's landing pool and, for a receiver on
+        this host, this process's staging pool (`nixl_read`), for a pair whose `transport`
+        is "nixl"."""
         self.address = address
         self.transport = transport
         self.cuda_device = cuda_device
@@ -129,6 +130,11 @@ class SenderPair:
     @property
     def accepting(self) -> bool:
         return self._state in (PairState.CONNECTING, PairState.OPEN)
+
+    @property
+    def reading(self) -> bool:
+        """The receiver reads this pair's payloads from our staging pool (`nixl_read`)."""
+        return getattr(self._path, "reading", False)
 
     @property
     def slot_waits(self) -> int:
@@ -227,7 +233,8 @@ class SenderPair:
         inline = InlineSend(self._cap)
         self._path = inline
         if self._nixl is not None:  # loads the receiving agent: fails here, not mid-request
-            self._path = NixlSend(*self._nixl, fallback=inline, cap=self._cap)
+            agent, pool, staging = self._nixl
+            self._path = NixlSend(agent, pool, fallback=inline, cap=self._cap, staging=staging)
         store = rendezvous.pair_store(self._store, pair_id)
         return build_channel(store, SENDER_RANK, hello.host, self.cuda_device, cfg,
                              FrameAuth.for_end(keys, sender=True) if keys else None)
@@ -303,7 +310,9 @@ class SenderPair:
             self._queue.clear()
             self._cv.notify()
             channel = self._channel
-        self._path.close()  # wakes a send waiting for a landing slot
+        # clean: the receiver hung up after our CLOSE, so it reads none of our slots now
+        clean = state is PairState.CLOSED and not self._reader.is_alive()
+        self._path.close(clean)  # wakes a send waiting for a landing slot
         if channel is not None:
             channel.abort()
         self._listener.on_down(self, reason)

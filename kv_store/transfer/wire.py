@@ -5,9 +5,10 @@ One message on a pair is a frame of tensors sent in order on the same tag:
     int64[1] header length  →  uint8[length] msgpack header  →  payload tensor ("layer" only)
 
 A LAYER whose `slot` is set carries no payload tensor: its bytes were written into that slot
-of the receiver's NIXL landing pool before the header was sent (`nixl_path`); the receiver
-publishes how many slot parts it has copied out in a credit counter of the pool, which the
-sender reads (`nixl_path`).
+of the receiver's NIXL landing pool before the header was sent (`nixl_path`) or, on a pair
+whose sender sent an OFFER, they wait in that slot of the sender's staging pool for the
+receiver to read (`nixl_read`); the receiver publishes how many slot parts it has copied out
+(or read) in a credit counter of its pool, which the sender reads.
 
 A BATCH coalesces several LAYER messages that were ready at once into one frame: its header
 holds the LAYER headers (`parts`, each tagged under its own transfer's ticket), and the
@@ -32,7 +33,7 @@ from typing import Any
 
 import msgpack
 
-VERSION = 8
+VERSION = 9
 # Protocol version history (bump on any incompatible change of framing, kinds or fields):
 #   1 — first version: length tensor + msgpack header + payload; kinds layer/done/abort/close;
 #       rendezvous hello/reply through the receiver's TCPStore.
@@ -62,6 +63,10 @@ VERSION = 8
 #       the receiver's landing pool; the sender writes its slots in the GRANT's (ring) order
 #       and reads how many parts the receiver has released from that counter (a NIXL READ)
 #       instead of waiting for a GRANT back per message. A second GRANT is a protocol error.
+#   9 — NIXL reads: an OFFER kind (sender → receiver, at most once, before the pair's first
+#       slot part) names the sender's staging pool (`body`: its `NixlDescriptor`); from then
+#       on a LAYER's `slot` names a slot of that pool, which the receiver reads straight into
+#       its paged cache (`nixl_read`). The credit counter is unchanged.
 
 MAX_BODY_BYTES = 64 << 10
 """Largest DONE body: it names a token or a count, never bulk data."""
@@ -71,6 +76,9 @@ MAX_TAG_BYTES = 64
 
 MAX_HEADER_BYTES = 1 << 20
 """Largest header accepted; a larger length tensor means a corrupt or foreign stream."""
+
+MAX_OFFER_BYTES = MAX_HEADER_BYTES - (4 << 10)
+"""Largest OFFER body (a NIXL descriptor: agent metadata and the pool's layout)."""
 
 # name on the wire -> (name of the dtype the backend moves, bytes per element). The tensors
 # themselves are viewed in `carrier`: this module (framing) needs no torch.
@@ -94,6 +102,7 @@ class Kind(Enum):
     CLOSE = "close"
     GRANT = "grant"
     BATCH = "batch"
+    OFFER = "offer"
 
 
 @dataclass(frozen=True)
@@ -108,6 +117,8 @@ class Header:
         GRANT  slots, credit  (receiver → sender, once: the pair's landing slots, in the
                order they are written, and where their release counter is)
         BATCH  parts  (LAYER headers; the payloads of those without a slot follow)
+        OFFER  body  (sender → receiver, at most once: the sender's staging pool, as a
+               `NixlDescriptor`)
     """
 
     kind: Kind
@@ -186,6 +197,8 @@ def layers_of(h: Header) -> tuple[Header, ...]:
 def encode_header(h: Header) -> bytes:
     if h.kind is Kind.GRANT:
         return pack({"kind": h.kind.value, "slots": list(h.slots), "credit": h.credit})
+    if h.kind is Kind.OFFER:
+        return pack({"kind": h.kind.value, "body": bytes(h.body)})
     if h.kind is Kind.BATCH:
         return pack({"kind": h.kind.value, "parts": [_doc(p) for p in h.parts]})
     return pack(_doc(h))
@@ -217,12 +230,13 @@ def decode_header(data: bytes) -> Header:
         raise ProtocolError(f"unknown message kind {doc.get('kind')!r}") from None
     if kind is Kind.CLOSE:
         return Header(kind, reason=_field(doc, "reason", str))
+    if kind is Kind.OFFER:
+        body = _field(doc, "body", bytes)
+        if not body or len(body) > MAX_OFFER_BYTES:
+            raise ProtocolError(f"an OFFER needs a descriptor of 1..{MAX_OFFER_BYTES} bytes")
+        return Header(kind, body=body)
     if kind is Kind.GRANT:
-        slots = tuple(_field(doc, "slots", list))
-        if len(slots) > MAX_GRANT_SLOTS or not all(
-                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in slots):
-            raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
-                                "non-negative ints")
+        slots = _slots(doc)
         credit = _field(doc, "credit", int)
         if credit < -1 or (credit == -1) != (not slots):
             raise ProtocolError(f"field 'credit' must be an address with slots, -1 without, "
@@ -239,6 +253,15 @@ def decode_header(data: bytes) -> Header:
     if kind is Kind.ABORT:
         return Header(kind, rid=rid, reason=_field(doc, "reason", str), tag=tag)
     return _decode_layer(doc, rid, tag)
+
+
+def _slots(doc: dict[str, Any]) -> tuple[int, ...]:
+    slots = tuple(_field(doc, "slots", list))
+    if len(slots) > MAX_GRANT_SLOTS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in slots):
+        raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
+                            "non-negative ints")
+    return slots
 
 
 def _decode_batch(doc: dict[str, Any]) -> Header:

@@ -393,6 +393,8 @@ def test_one_sender_to_two_receivers(agents, new_sender, transport):
         assert future.result(20).layers == 3
     assert sender.stats()["pairs_open"] == 2
     assert sender.stats()["pairs_nixl"] == (2 if transport == "nixl" else 0)
+    # on one host the receivers read from the sender's staging pool (`nixl_read`)
+    assert sender.stats()["pairs_nixl_reading"] == (2 if transport == "nixl" else 0)
     for name in ("a", "b"):
         for i in range(2):
             rid = f"fan-{name}-{i}"
@@ -608,6 +610,23 @@ def test_a_layer_larger_than_a_slot_lands_in_chunks_of_whole_blocks(agents, loca
         assert calls == (8 if local_nixl is not None else 2)
         if local_nixl is not None:
             assert rx.stats()["nixl_slots_free"] == 1  # the pair's 2 granted slots are held
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_a_nixl_pair_that_reads_or_writes_lands_the_same_bytes(agents, local_nixl, reads):
+    """`nixl_reads`: the receiver reads the sender's staging slots (one host), or the
+    sender writes into the receiver's landing slots; both land exactly."""
+    sink = RecordingSink()
+    with KVReceiver("127.0.0.1", 0, sink, TransferConfig(**FAST), nixl=local_nixl) as rx:
+        rx.start()
+        rid = f"mode-{reads}"
+        out = agents["a"].call("send", **target(rx), rid=rid, layers=3, n=5, dtype="bfloat16",
+                               config={"nixl_reads": reads})
+        assert out["state"] == "done", out
+        sink.wait_for("done", rid)
+        sink.assert_exact(rid, 3, 5, torch.bfloat16)
+        stats = rx.stats()
+        assert stats["bytes_received_nixl"] == (stats["bytes_received"] if local_nixl else 0)
 
 
 def test_a_pair_the_pool_has_no_slots_for_sends_inline(agents, local_nixl):
