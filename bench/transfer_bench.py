@@ -68,7 +68,10 @@ def kv_shape(shape: str, tokens: int) -> tuple[int, ...]:
 
 
 class CacheSink:
-    """The receiver's sink: copies each layer into its paged cache, like a decode worker."""
+    """The receiver's sink: copies each layer into its paged cache, like a decode worker (and,
+    like it, reads a same-host NIXL sender's staged payloads straight into the cache)."""
+
+    reads_in_place = True
 
     def __init__(self, layers: int, shape: tuple[int, ...]) -> None:
         self.cache = [torch.zeros((2 * shape[0], *shape[1:])) for _ in range(layers)]
@@ -83,13 +86,14 @@ class CacheSink:
         print(json.dumps({"failed": request_id, "reason": reason}), file=sys.stderr, flush=True)
 
 
-def receiver_config(slots: int) -> TransferConfig:
-    """The defaults, or `slots` landing slots per pair (the pool grown to hold 2 pairs)."""
-    if not slots:
-        return TransferConfig()
-    slot = TransferConfig().nixl_slot_bytes
+def receiver_config(slots: int, pairs: int) -> TransferConfig:
+    """The defaults, or `slots` landing slots per pair; the pool holds every compared
+    variant's pair (mapped lazily: the unused part costs nothing)."""
+    base = TransferConfig()
+    slots = slots or base.nixl_slots_per_pair
     return TransferConfig(nixl_slots_per_pair=slots,
-                          nixl_pool_bytes=max(TransferConfig().nixl_pool_bytes, 2 * slots * slot))
+                          nixl_pool_bytes=max(base.nixl_pool_bytes,
+                                              pairs * slots * base.nixl_slot_bytes))
 
 
 SENDER_STAGES = (
@@ -99,6 +103,7 @@ SENDER_STAGES = (
     "kv_store.transfer.nixl_path:NixlSend._await_credit",  # of which reading the counter
     "kv_store.transfer.nixl_agent:NixlAgent.register",
     "kv_store.transfer.nixl_agent:NixlAgent.write",        # the NIXL write itself
+    "kv_store.transfer.nixl_path:NixlSend._flush",         # per message (a read pair: copies)
     "kv_store.transfer.channel:Channel.send_frame",        # headers (and inline payloads)
     "kv_store.transfer.channel:Channel.post",              # headers not waited for
     "kv_store.transfer.channel:Channel._settle",           # waiting for a posted header
@@ -108,17 +113,20 @@ RECEIVER_STAGES = (
     "kv_store.transfer.channel:Channel.recv_payload",      # inline payloads
     "kv_store.transfer.receiver:KVReceiver.on_message",    # ticket, record, sink
     "__main__:CacheSink.on_layer",                         # the copy into the paged cache
+    "kv_store.transfer.nixl_agent:NixlAgent.read",         # of which a NIXL read (read pairs)
     "kv_store.transfer.nixl_path:NixlReceive.release",     # the credit counter
 )
 
 
-def run_receiver(transport: str, shape: str, tokens: int, trace: bool, slots: int) -> None:
+def run_receiver(transport: str, shape: str, tokens: int, trace: bool, slots: int,
+                 pairs: int) -> None:
     torch.set_num_threads(1)
     agent = NixlAgent("127.0.0.1") if transport == "nixl" else None
     sink = CacheSink(SHAPES[shape][0], kv_shape(shape, tokens))
     stages = StageTrace()
     with (stages.wrapping(RECEIVER_STAGES if trace else ()),
-          KVReceiver("127.0.0.1", 0, sink, receiver_config(slots), nixl=agent) as receiver):
+          KVReceiver("127.0.0.1", 0, sink, receiver_config(slots, pairs), nixl=agent,
+                     nixl_destinations=sink.cache) as receiver):
         receiver.start()
         print(json.dumps({"address": receiver.address,
                           "peer": receiver.nixl_descriptor.hex()}), flush=True)
@@ -140,7 +148,9 @@ class Receiver:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--role", "receiver", "--transports", transport,
              "--shape", args.shape, "--tokens", str(args.tokens),
-             "--nixl-slots", str(args.nixl_slots), *(["--trace"] if args.trace else [])],
+             "--nixl-slots", str(args.nixl_slots),
+             "--pairs", str(len(args.coalesce) * len(args.nixl_modes)),
+             *(["--trace"] if args.trace else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         hello = json.loads(self.proc.stdout.readline())
         self.address, self.peer = hello["address"], bytes.fromhex(hello["peer"])
@@ -159,9 +169,15 @@ class Receiver:
         self.proc.wait(30)
 
 
-def send_prompt(sender: KVSender, rx: Receiver, rid: str, kvs: list[torch.Tensor]
-                ) -> tuple[float, int]:
+def send_prompt(sender: KVSender, rx: Receiver, rid: str, kvs: list[torch.Tensor],
+                staged: bool = False) -> tuple[float, int]:
+    """Seconds to send the prompt's layers and have the DONE sent, and its bytes. `staged`:
+    each layer is first gathered into the sender's staging slots (`KVSender.stage`, what the
+    prefill's layer hook does for a same-host reader) instead of a tensor of its own; that
+    copy, like the gather of the other variants, happens before the clock starts."""
     blocks = list(range(kvs[0].shape[0]))
+    if staged:
+        kvs = [stage_copy(sender, rx.address, kv) for kv in kvs]
     t0 = time.perf_counter()
     for layer, kv in enumerate(kvs):
         sender.send_layer(rx.address, rid, layer, blocks, kv)
@@ -169,8 +185,13 @@ def send_prompt(sender: KVSender, rx: Receiver, rid: str, kvs: list[torch.Tensor
     return time.perf_counter() - t0, result.bytes_sent
 
 
-def variant(transport: str, cap: int) -> str:
-    return f"{transport} <={cap}/msg"
+def stage_copy(sender: KVSender, address: str, kv: torch.Tensor) -> torch.Tensor:
+    out = sender.stage(address, kv.shape, kv.dtype)
+    return kv if out is None else out.copy_(kv)
+
+
+def variant(transport: str, cap: int, mode: str) -> str:
+    return f"{transport}{'-' + mode if transport == 'nixl' else ''} <={cap}/msg"
 
 
 def measure(args) -> dict:
@@ -179,29 +200,34 @@ def measure(args) -> dict:
     gen = torch.Generator().manual_seed(0)
     kvs = [torch.randn(kv_shape(args.shape, args.tokens), generator=gen)
            for _ in range(SHAPES[args.shape][0])]
-    seconds = {variant(rx.transport, c): [] for c in args.coalesce for rx in receivers}
+    modes = args.nixl_modes
+    runs = [(c, m, rx) for c in args.coalesce for m in modes for rx in receivers
+            if rx.transport == "nixl" or m == modes[0]]  # gloo: once per coalesce value
+    seconds = {variant(rx.transport, c, m): [] for c, m, rx in runs}
     copies, cma, nbytes, stages = [], [], 0, StageTrace()
     layer_bytes = kvs[0].numel() * kvs[0].element_size()
     kernel_copy = CmaCopy(layer_bytes * len(kvs), layer_bytes)
-    senders = {c: KVSender(TransferConfig(coalesce_max_parts=c), nixl=agent)
-               for c in args.coalesce}
+    senders = {(c, m): KVSender(TransferConfig(coalesce_max_parts=c, nixl_reads=m != "write"),
+                                nixl=agent)
+               for c in args.coalesce for m in modes}
     try:
-        for cap, sender in senders.items():
-            for rx in receivers:
-                sender.add_peer(rx.address, rx.peer)
-                send_prompt(sender, rx, f"warm-{rx.transport}-c{cap}", kvs)  # opens the pair
+        for cap, mode, rx in runs:
+            sender = senders[cap, mode]
+            sender.add_peer(rx.address, rx.peer)
+            send_prompt(sender, rx, f"warm-{variant(rx.transport, cap, mode)}", kvs,
+                        mode == "staged")  # opens the pair
         for rx in receivers:
             rx.reset_trace()
         with stages.wrapping(SENDER_STAGES if args.trace else ()):
             for i in range(args.prompts):
                 copies.append(memcpy_bandwidth(256 * 2**20))
                 cma.append(kernel_copy.measure())
-                for cap, sender in senders.items():
-                    for rx in receivers:
-                        dt, nbytes = send_prompt(sender, rx, f"p{i}-{rx.transport}-c{cap}",
-                                                 kvs)
-                        seconds[variant(rx.transport, cap)].append(dt)
-        sender_stats = {c: s.stats() for c, s in senders.items()}
+                for cap, mode, rx in runs:
+                    name = variant(rx.transport, cap, mode)
+                    dt, nbytes = send_prompt(senders[cap, mode], rx, f"p{i}-{name}", kvs,
+                                             mode == "staged")
+                    seconds[name].append(dt)
+        sender_stats = {f"c{c}-{m}": s.stats() for (c, m), s in senders.items()}
         receiver_stats = {rx.transport: rx.stats() for rx in receivers}
     finally:
         kernel_copy.close()
@@ -226,15 +252,24 @@ def main() -> None:
     parser.add_argument("--coalesce", nargs="+", type=int, default=[8, 1],
                         help="coalesce_max_parts of each sender compared (1: one layer per "
                              "message, the baseline)")
+    parser.add_argument("--nixl-modes", nargs="+", default=["staged", "read", "write"],
+                        choices=["staged", "read", "write"],
+                        help="NIXL pairs compared: the receiver reads payloads gathered "
+                             "into the sender's staging slots (staged: one copy, as the "
+                             "prefill's layer hook does), or copied into them by the pair "
+                             "(read: two), or the sender writes into its landing pool "
+                             "(write: two, the baseline)")
     parser.add_argument("--nixl-slots", type=int, default=0,
                         help="landing slots per NIXL pair (0: TransferConfig's default)")
     parser.add_argument("--trace", action="store_true",
                         help="time each stage of the path on both sides (per layer)")
     parser.add_argument("--output", default="bench/results/transfer.json")
     parser.add_argument("--role", choices=["sender", "receiver"], default="sender")
+    parser.add_argument("--pairs", type=int, default=1, help=argparse.SUPPRESS)  # receiver
     args = parser.parse_args()
     if args.role == "receiver":
-        run_receiver(args.transports[0], args.shape, args.tokens, args.trace, args.nixl_slots)
+        run_receiver(args.transports[0], args.shape, args.tokens, args.trace, args.nixl_slots,
+                     args.pairs)
         return
     torch.set_num_threads(1)
     report(args, measure(args))
