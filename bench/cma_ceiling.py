@@ -5,7 +5,9 @@ NIXL's UCX backend moves bytes between two processes on one host with CMA
 (`process_vm_writev` / `process_vm_readv`: the kernel pins the pages of one side and copies,
 in the calling thread). A user-space memcpy is the figure the issue sets its target against;
 on a VM the kernel's copy can be well below it (measured: ~0.5 of a 2-thread memcpy on the
-2-core EPYC Zen 4), so the transfer's ratio reads against both.
+2-core EPYC Zen 4 from 4 KiB pages), so the transfer's ratio reads against both. The child's
+buffer is on huge pages, as a sender's staging pool is: CMA's pace follows the other
+process's pages.
 
 `CmaCopy(nbytes, chunk)` starts a child process holding `nbytes` of touched memory; `measure()`
 reads them into this process's buffer in `chunk`-byte calls (a KV layer's size) and returns
@@ -24,9 +26,14 @@ import torch
 
 _CHILD = """
 import ctypes, mmap, sys
-n = int(sys.argv[1])
-buf = mmap.mmap(-1, n)
+n, huge = int(sys.argv[1]), 2 << 20
+# private and on huge pages, as a staging pool is: a shared mapping is shmem (4 KiB pages
+# here), which CMA reads at ~0.35 of a memcpy against ~0.8 from 2 MiB pages
+buf = mmap.mmap(-1, n + huge, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+if hasattr(mmap, "MADV_HUGEPAGE"):
+    buf.madvise(mmap.MADV_HUGEPAGE)
 addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+addr += -addr % huge
 ctypes.memset(addr, 1, n)  # touched, as a worker's payloads are
 print(addr, flush=True)
 sys.stdin.read()  # until the parent closes the pipe
