@@ -52,6 +52,7 @@ from decode_worker.kv_sink import copy_blocks  # noqa: E402
 from kv_store.transfer import KVReceiver, KVSender, TransferConfig  # noqa: E402
 from kv_store.transfer.nixl_agent import NixlAgent  # noqa: E402
 from pdserve.demo_model import DemoModelConfig  # noqa: E402
+from pdserve.engine.huge_pages import huge_page_zeros  # noqa: E402
 
 BLOCK_SIZE = 16
 _DEMO = DemoModelConfig()
@@ -74,7 +75,9 @@ class CacheSink:
     reads_in_place = True
 
     def __init__(self, layers: int, shape: tuple[int, ...]) -> None:
-        self.cache = [torch.zeros((2 * shape[0], *shape[1:])) for _ in range(layers)]
+        # allocated as the engine allocates its CPU cache (`KVLayout.new_caches`)
+        self.cache = [huge_page_zeros((2 * shape[0], *shape[1:]), torch.float32)
+                      for _ in range(layers)]
 
     def on_layer(self, request_id, layer, block_ids, kv):
         copy_blocks(self.cache[layer], block_ids, kv)  # the decode worker's own copy

@@ -63,6 +63,7 @@ from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration, RemoteRead
 from kv_store.transfer.nixl_read import LocalRegions, ReadSource, RemoteKV
 from kv_store.transfer.wire import Header, Kind, ProtocolError
+from pdserve.engine.huge_pages import HostBuffer, huge_page_buffer
 
 if TYPE_CHECKING:
     from kv_store.transfer.sender_pair import Outgoing
@@ -148,7 +149,8 @@ class LandingPool:
         if device is not None and device.type != "cpu":
             self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
-            self._buffer, self._region, self._start = _huge_pages(nbytes)
+            host = _huge_pages(nbytes)
+            self._buffer, self._region, self._start = host.tensor, host.region, host.start
         self._reg: Registration | None = agent.register(self._buffer)
         dev = self._buffer.get_device() if self._buffer.is_cuda else 0
         self.descriptor = NixlDescriptor(agent.metadata(), self._buffer.data_ptr(), slot_bytes,
@@ -251,22 +253,11 @@ class LandingPool:
         self._kept = [(until, lent) for until, lent in self._kept if until > now]
 
 
-_HUGE_PAGE = 2 << 20
-
-
-def _huge_pages(nbytes: int) -> tuple[torch.Tensor, mmap.mmap, int]:
+def _huge_pages(nbytes: int) -> HostBuffer:
     """A zeroed CPU buffer on transparent huge pages where the kernel grants them: a CMA
     copy runs at the pace of the other process's pages (a READ from 2 MiB pages 0.8 of a
-    memcpy, from 4 KiB ones 0.35; a write into them ~25% faster: `docs/perf.md`). The
-    tensor keeps its mapping alive; plain pages otherwise. Also the mapping and where the
-    tensor starts in it."""
-    region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    whole = torch.frombuffer(region, dtype=torch.uint8)
-    start = -whole.data_ptr() % _HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):  # no THP in this kernel: plain pages
-            region.madvise(mmap.MADV_HUGEPAGE)
-    return whole[start:start + nbytes], region, start
+    memcpy, from 4 KiB ones 0.35; a write into them ~25% faster: `docs/perf.md`)."""
+    return huge_page_buffer(nbytes)
 
 
 class NixlSend:
