@@ -36,9 +36,10 @@ sends its payloads inline. Slots of a pair that broke are quarantined before reu
 of its sender may still land within its write timeout), and with them its counter (which
 sits at its first slot's line); the pool's memory outlives the receiver by the same bound.
 
-A sender on the receiver's host reads instead (`nixl_read`: an OFFER of its own staging
-slots, which the receiver reads straight into its cache: one copy); the same ring and credit
-counter pace it, and the receiver's slots then only serve as bounce buffers.
+A sender on the receiver's host has the receiver read instead (`nixl_read`: an OFFER of its
+own staging pool, whose slots the receiver reads straight into its cache: one copy); the
+granted window and the credit counter pace it as before, and the receiver's slots then only
+serve as bounce buffers.
 """
 
 from __future__ import annotations
