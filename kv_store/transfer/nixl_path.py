@@ -543,6 +543,11 @@ class NixlReceive:
     def num_slots(self) -> int:
         return len(self._slots)
 
+    @property
+    def reading(self) -> bool:
+        """The sender OFFERed its staging pool: parts are read from it."""
+        return self._source is not None
+
     def start(self, channel: Channel, timeout_s: float) -> None:
         channel.send(BACKWARD_TAG, Header(Kind.GRANT, slots=tuple(self._slots),
                                           credit=self._credit_address), None, timeout_s)

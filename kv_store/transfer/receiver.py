@@ -194,7 +194,8 @@ class KVReceiver:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             extra = {"pairs_open": len(self._pairs), "transfers_active": len(self._records),
-                     "pairs_nixl": sum(1 for p in self._pairs.values() if p.nixl)}
+                     "pairs_nixl": sum(1 for p in self._pairs.values() if p.nixl),
+                     "pairs_nixl_reading": sum(1 for p in self._pairs.values() if p.reading)}
         if self._pool is not None:
             extra["nixl_slots_free"] = self._pool.num_free
         return self._stats.snapshot(**extra)

@@ -102,6 +102,11 @@ class ReceiverPair:
         return getattr(self._path, "num_slots", 0) > 0
 
     @property
+    def reading(self) -> bool:
+        """Whether this pair reads its payloads from the sender's staging pool."""
+        return getattr(self._path, "reading", False)
+
+    @property
     def closing(self) -> bool:
         """A close was requested or the pair already ended."""
         return self._ended or self._close_deadline is not None
