@@ -64,7 +64,7 @@ from kv_store.transfer.coalesce import parts_per_message
 from kv_store.transfer.nixl_agent import NixlAgent, NixlWriteError, Registration, RemoteRead
 from kv_store.transfer.nixl_read import LocalRegions, ReadSource, RemoteKV
 from kv_store.transfer.wire import Header, Kind, ProtocolError
-from pdserve.engine.huge_pages import HostBuffer, huge_page_buffer
+from pdserve.engine.huge_pages import huge_page_buffer
 
 if TYPE_CHECKING:
     from kv_store.transfer.sender_pair import Outgoing
@@ -150,7 +150,8 @@ class LandingPool:
         if device is not None and device.type != "cpu":
             self._buffer = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         else:
-            host = _huge_pages(nbytes)
+            # huge pages: a CMA copy runs at the pace of the other process's pages
+            host = huge_page_buffer(nbytes)
             self._buffer, self._region, self._start = host.tensor, host.region, host.start
         self._reg: Registration | None = agent.register(self._buffer)
         dev = self._buffer.get_device() if self._buffer.is_cuda else 0
@@ -252,13 +253,6 @@ class LandingPool:
         for slots in ready:
             self._free.extend(slots)
         self._kept = [(until, lent) for until, lent in self._kept if until > now]
-
-
-def _huge_pages(nbytes: int) -> HostBuffer:
-    """A zeroed CPU buffer on transparent huge pages where the kernel grants them: a CMA
-    copy runs at the pace of the other process's pages (a READ from 2 MiB pages 0.8 of a
-    memcpy, from 4 KiB ones 0.35; a write into them ~25% faster: `docs/perf.md`)."""
-    return huge_page_buffer(nbytes)
 
 
 class NixlSend:

@@ -85,6 +85,7 @@ class KVSender:
         self._nixl = nixl
         self._peers: dict[str, NixlDescriptor] = {}  # landing pools by receiver address
         self._staging: LandingPool | None = None  # what same-host receivers read (lazily)
+        self._local: dict[str, bool] = {}  # receiver address -> on this host
         self._lock = threading.Lock()
         self._pairs: OrderedDict[_PairKey, SenderPair] = OrderedDict()  # LRU order
         self._bound: dict[SenderPair, set[str]] = {}  # live requests riding on each pair
@@ -128,7 +129,7 @@ class KVSender:
                        self._closed else None)
         if staging is None:
             return None
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         lent = staging.lend(nbytes)
         return None if lent is None else lent.view(dtype).view(tuple(shape))
 
@@ -410,7 +411,12 @@ class KVSender:
     def _staging_for(self, address: str) -> LandingPool | None:
         """This process's staging pool, if the receiver at `address` reads from it (it is on
         this host, and reads are on); made on first use (caller holds self._lock)."""
-        if not self._config.nixl_reads or not is_local_host(parse_address(address)[0]):
+        if not self._config.nixl_reads:
+            return None
+        local = self._local.get(address)
+        if local is None:  # asked per layer on the engine thread: look the host up once
+            local = self._local[address] = is_local_host(parse_address(address)[0])
+        if not local:
             return None
         if self._staging is None:
             cfg = self._config
