@@ -6,6 +6,7 @@ with the engine's output, and the workers end idle."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import signal
 import time
@@ -34,8 +35,12 @@ REQUESTS = [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
 DRAIN_TOKENS = 950
 HEALTH_PERIOD_S, HEARTBEAT_TIMEOUT_S = (float(v) for v in FAST_HEARTBEAT[1::2])
 DRAIN_MARGIN = 3.0
-MAX_STREAMS_PER_WORKER = 6
-YOUNG_STREAM_BLOCKS = 12  # of the ~61 a 950-token stream fills: its first sixth
+# A cap of 6 let a fast machine (0.37 s a stream) drain them all inside the heartbeat timeout
+# (CI, 2.2 s). The router queues up to QUEUE_WAVES on a worker (one slot each): room for all of
+# them and for the new request sent during the drain, which a full queue would shed.
+MAX_STREAMS_PER_WORKER = 16
+QUEUE_WAVES = 2 * MAX_STREAMS_PER_WORKER
+STREAM_BLOCKS = 61  # KV blocks a DRAIN_TOKENS-token stream fills by its end
 
 
 @pytest.fixture(scope="module")
@@ -78,16 +83,19 @@ def test_a_draining_decode_worker_finishes_its_streams_itself(tiny_llama, tmp_pa
     neither drops it nor moves its streams; they finish there, and it exits."""
     cluster = start_cluster(tiny_llama, tmp_path, prefill=1, decode=2,
                             worker_args=("--max-num-seqs", "1"),
-                            router_args=(*FAST_HEARTBEAT, "--queue-waves", "16"))
+                            router_args=(*FAST_HEARTBEAT, "--queue-waves", str(QUEUE_WAVES)))
     try:
-        n = _streams_per_worker(cluster, DRAIN_MARGIN * (HEARTBEAT_TIMEOUT_S + HEALTH_PERIOD_S))
+        stream_s = _stream_seconds(cluster)
+        n = min(MAX_STREAMS_PER_WORKER, max(2, math.ceil(
+            DRAIN_MARGIN * (HEARTBEAT_TIMEOUT_S + HEALTH_PERIOD_S) / stream_s)))
         prompts = random_prompts([20, 28] * n, VOCAB, seed=52)
         expected = greedy_ids(LLM(str(tiny_llama), dtype="float32"), prompts, DRAIN_TOKENS)
-        victim = cluster.workers("decode")[0]
-        with worker_channel(victim.info["address"]) as probe:
-            poll = worker_pb_grpc.WorkerStub(probe).GetStats
-            outcomes, (held, seen, health, late) = asyncio.run(
-                _drain_under_streams(cluster, victim, poll, prompts))
+        workers = cluster.workers("decode")
+        with contextlib.ExitStack() as stack:
+            polls = [worker_pb_grpc.WorkerStub(stack.enter_context(
+                worker_channel(w.info["address"]))).GetStats for w in workers]
+            outcomes, (victim, held, seen, health, late) = asyncio.run(
+                _drain_under_streams(cluster, workers, polls, prompts, stream_s))
         assert held >= 2, "the drained worker had no stream running and queued"
         assert [o.status for o in outcomes] == ["OK"] * len(prompts)
         assert [o.token_ids for o in outcomes] == expected
@@ -105,51 +113,81 @@ def test_a_draining_decode_worker_finishes_its_streams_itself(tiny_llama, tmp_pa
         cluster.stop()
 
 
-def _streams_per_worker(cluster, seconds: float) -> int:
-    """How many DRAIN_TOKENS-token streams, run one after another, take `seconds` on a decode
-    worker of `cluster`, judged by the speed of one warm-up stream (at least 2: one running,
-    one queued)."""
+def _stream_seconds(cluster) -> float:
+    """How long one DRAIN_TOKENS-token stream runs alone on a decode worker of `cluster`,
+    judged by the speed of one warm-up stream."""
     warm = greedy_request(random_prompts([24], VOCAB, seed=50)[0], 200)
     out = asyncio.run(run_load(cluster.address, [warm], 1, 120))[0]
-    assert out.ok and out.first_token is not None, out.status
-    per_token = (out.ended - out.first_token) / (len(out.token_ids) - 1)
-    return min(MAX_STREAMS_PER_WORKER, max(2, math.ceil(seconds / (DRAIN_TOKENS * per_token))))
+    assert out.ok, out.status
+    # From its start, not its first token: on a loaded machine the first token can arrive
+    # with many others, and its time then said 0.03 s a stream.
+    return DRAIN_TOKENS * (out.ended - out.started) / len(out.token_ids)
 
 
-async def _drain_under_streams(cluster, victim, poll, prompts):
-    """Start the streams; once the victim runs one and queues another, SIGTERM it and watch
-    its polls until its server stops, sending one new request meanwhile. Returns the
-    streams' outcomes and (requests it held, (seconds since SIGTERM, draining, running) per
-    poll, its health status while draining, the new request's outcome)."""
-    stats = lambda: asyncio.to_thread(poll, worker_pb.StatsRequest(), timeout=10)  # noqa: E731
+async def _drain_under_streams(cluster, workers, polls, prompts, stream_s):
+    """Start the streams; once every one is on a decode worker and one of them (the victim)
+    holds enough of them to outlast the heartbeat timeout by half (judged by `stream_s`, one
+    stream's time alone), SIGTERM it and watch its polls until its server
+    stops, sending one new request meanwhile. Returns the streams' outcomes and (the victim,
+    requests it held, (seconds since SIGTERM, draining, running) per poll, its health status
+    while draining, the new request's outcome)."""
+    def stats(i):
+        return asyncio.to_thread(polls[i], worker_pb.StatsRequest(), timeout=10)
+
     async with grpc.aio.insecure_channel(cluster.address) as channel:
         stub = pb_grpc.PDServeStub(channel)
         streams = [asyncio.ensure_future(generate(stub, i, greedy_request(p, DRAIN_TOKENS), 300))
                    for i, p in enumerate(prompts)]
-        # SIGTERM while the running stream is young (its KV still a few blocks): the drain
-        # then lasts most of it plus the queued one. Sent at any moment, it sometimes caught
-        # a stream near its end and the drain beat the heartbeat timeout (CI, 2.3 s).
+        # SIGTERM once the router has placed every stream (or it finished), to the worker
+        # holding more, once what it holds (its queue and the rest of its running stream)
+        # outlasts the timeout by half. Sent earlier, it caught the victim with 3 of its 8,
+        # the rest went to the other worker, and the drain took 2.4 s (CI); sent at any
+        # moment, it sometimes caught a last stream near its end (CI, 2.3 s).
+        need_s = 1.5 * (HEARTBEAT_TIMEOUT_S + HEALTH_PERIOD_S)
         end = time.monotonic() + 60
-        while not ((s := await stats()).num_running >= 1 and s.num_waiting >= 1
-                   and s.kv_blocks_used <= YOUNG_STREAM_BLOCKS):
-            assert time.monotonic() < end, "the victim never held a young stream and a queued one"
+        while True:
+            both = await asyncio.gather(*(stats(i) for i in range(len(workers))))
+            v = max(range(len(workers)), key=lambda i: both[i].num_running + both[i].num_waiting)
+            s = both[v]
+            left = s.num_waiting + max(0.0, 1.0 - s.kv_blocks_used / STREAM_BLOCKS)
+            placed = sum(b.num_running + b.num_waiting for b in both)
+            if (placed + sum(f.done() for f in streams) >= len(prompts)
+                    and s.num_running >= 1 and s.num_waiting >= 1 and left * stream_s >= need_s):
+                break
+            assert time.monotonic() < end, (
+                f"no worker held {need_s:.1f}s of streams ({stream_s:.2f}s each): " + "; ".join(
+                    f"{b.num_running}+{b.num_waiting} in {b.kv_blocks_used} blocks"
+                    for b in both) + f", of {len(prompts)}")
             await asyncio.sleep(0.02)
+        victim = workers[v]
         victim.proc.send_signal(signal.SIGTERM)
         t0, seen, health, late = time.monotonic(), [], None, None
         while victim.proc.poll() is None:
             try:
-                p = await stats()
+                p = await stats(v)
             except grpc.RpcError:
                 break  # its server stopped: the drain is over
             seen.append((time.monotonic() - t0, p.draining, p.num_running))
             if p.draining and late is None:  # new work meanwhile goes to the other worker
                 health = await asyncio.to_thread(_health, victim.info["address"])
                 late = asyncio.ensure_future(
-                    generate(stub, -1, greedy_request(prompts[0], 4), 120))
+                    _retrying(stub, greedy_request(prompts[0], 4), 120))
             await asyncio.sleep(0.05)
         outcomes = list(await asyncio.gather(*streams))
-        return outcomes, (s.num_running + s.num_waiting, seen, health,
+        return outcomes, (victim, s.num_running + s.num_waiting, seen, health,
                           await late if late is not None else None)
+
+
+async def _retrying(stub, request, timeout_s: float):
+    """`request` until it is not shed, waiting as long as each RESOURCE_EXHAUSTED's
+    retry-after-ms says (on a slow machine the other worker's queue can be too long for it,
+    as a real client would find)."""
+    end = time.monotonic() + timeout_s
+    while True:
+        out = await generate(stub, -1, request, max(end - time.monotonic(), 1.0))
+        if out.status != "RESOURCE_EXHAUSTED" or time.monotonic() >= end:
+            return out
+        await asyncio.sleep(min(int(out.trailing.get("retry-after-ms", "100")) / 1000, 5.0))
 
 
 def _health(address: str) -> int:
