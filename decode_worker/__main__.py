@@ -35,7 +35,8 @@ async def serve(options: WorkerOptions) -> None:
     # Signed pairs only; our own KV pushes listen on --host too; leases capped by ours.
     transfer = options.lease.transfer_config(host=options.host,
                                              auth_key=options.security.kv_key(),
-                                             backend=kv.backend)
+                                             backend=kv.backend,
+                                             nixl_reads=options.kv_nixl_reads)
     # Frames must carry the tag of the ticket their request was reserved with (`kv_sink`);
     # with NIXL, payloads land in a pool registered once, next to the paged cache.
     receiver = KVReceiver(options.host, options.kv_port, service.sink, transfer,

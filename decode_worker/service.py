@@ -68,14 +68,15 @@ class DecodeService(WorkerServicerBase):
     def transfer_counters(self) -> dict[str, float]:
         """What rank 0's receiver refused — pair offers (bad signature, foreign version, no
         room) and frames not tagged under their transfer's ticket — and the KV bytes it took
-        in, in all and through NIXL landing slots."""
+        in: in all, through NIXL, and of those read from the sender's staging slots."""
         if self.kv_receiver is None:
             return {}
         s = self.kv_receiver.stats()
         return {"kv_pairs_refused": float(s["pairs_refused"]),
                 "kv_frames_refused": float(s["frames_refused"]),
                 "kv_bytes_received": float(s["bytes_received"]),
-                "kv_bytes_received_nixl": float(s["bytes_received_nixl"])}
+                "kv_bytes_received_nixl": float(s["bytes_received_nixl"]),
+                "kv_bytes_read_nixl": float(s["bytes_read_nixl"])}
 
     def follower_endpoints(self, timeout_s: float = 120.0) -> list[worker_pb.KVEndpoint]:
         """The KV receivers of follower ranks, with their NIXL landing pools (they publish

@@ -107,6 +107,10 @@ def _add_up(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", choices=("nixl", "nccl", "gloo"), default=None,
                    help="what carries KV between workers: nixl (the workers' default; gloo "
                         "where NIXL does not load), nccl (CUDA KV) or gloo")
+    p.add_argument("--kv-nixl-reads", action=argparse.BooleanOptionalAction, default=None,
+                   help="with NIXL, decode workers read KV from the prefill worker's staging "
+                        "slots when on its host (the workers' default); --no-kv-nixl-reads: "
+                        "it is written into their landing pools, as across hosts")
     p.add_argument("--shutdown-grace", type=float, default=30.0, metavar="S",
                    help="on stop, seconds the router lets streams in flight finish")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
@@ -353,4 +357,6 @@ def _tier_worker_args(a: argparse.Namespace) -> tuple[str, ...]:
         out.append(f"--kv-ssd-gb={a.kv_ssd_gb}")
     if a.kv_transport:
         out.append(f"--kv-transport={a.kv_transport}")
+    if a.kv_nixl_reads is not None:
+        out.append("--kv-nixl-reads" if a.kv_nixl_reads else "--no-kv-nixl-reads")
     return tuple(out)

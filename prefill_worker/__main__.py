@@ -33,7 +33,8 @@ async def serve(options: WorkerOptions) -> None:
                        on_block_event=recorder.on_block_event, tp_role="prefill")
     kv = open_kv_transport(options.kv_transport, options.host)
     sender = KVSender(options.lease.transfer_config(  # signed pairs, gloo bound to --host
-        host=options.host, auth_key=options.security.kv_key(), backend=kv.backend),
+        host=options.host, auth_key=options.security.kv_key(), backend=kv.backend,
+        nixl_reads=options.kv_nixl_reads),
         nixl=kv.nixl)
     streamer = KVStreamer(sender, engine.kv_caches, engine.config.block_size,
                           engine.kv_layout, 0, engine.tp.size)

@@ -5,7 +5,11 @@ from __future__ import annotations
 from kv_store.transfer import KVSender
 from pdserve.engine.tp.follower import FollowerPlugin
 from pdserve.serving.kv_lease import LeaseConfig
-from pdserve.serving.kv_transport import default_kv_transport, open_kv_transport
+from pdserve.serving.kv_transport import (
+    default_kv_transport,
+    default_nixl_reads,
+    open_kv_transport,
+)
 from pdserve.serving.security.config import kv_auth_key
 from prefill_worker.kv_streamer import BlockSend, KVStreamer
 
@@ -14,10 +18,11 @@ class PrefillFollower(FollowerPlugin):
     def __init__(self, engine, group, host: str) -> None:
         super().__init__(engine, group, host)
         # Every lease comes from rank 0's sends; the default config only caps them. The KV
-        # key and transport come from the environment rank 0 passed down.
+        # key, transport and read mode come from the environment rank 0 passed down.
         self.kv = open_kv_transport(default_kv_transport(), host)
         self.sender = KVSender(LeaseConfig().transfer_config(
-            host=host, auth_key=kv_auth_key(), backend=self.kv.backend), nixl=self.kv.nixl)
+            host=host, auth_key=kv_auth_key(), backend=self.kv.backend,
+            nixl_reads=default_nixl_reads()), nixl=self.kv.nixl)
         ctx = group.context
         self.streamer = KVStreamer(self.sender, engine.kv_caches, engine.config.block_size,
                                    engine.kv_layout, ctx.rank, ctx.size)

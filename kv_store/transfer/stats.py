@@ -18,6 +18,7 @@ class TransferStats:
         self._bytes_sent = 0
         self._bytes_received = 0
         self._bytes_received_nixl = 0
+        self._bytes_read_nixl = 0
         self._done = 0
         self._failed = 0
         self._refused = 0
@@ -30,12 +31,15 @@ class TransferStats:
         with self._lock:
             self._bytes_sent += nbytes
 
-    def add_received(self, nbytes: int, nixl: bool = False) -> None:
-        """`nixl`: the bytes came through a NIXL landing slot."""
+    def add_received(self, nbytes: int, nixl: bool = False, read: bool = False) -> None:
+        """`nixl`: the bytes came through NIXL; `read`: by a READ of the sender's staging
+        slot (one host), not written into a landing slot."""
         with self._lock:
             self._bytes_received += nbytes
             if nixl:
                 self._bytes_received_nixl += nbytes
+            if read:
+                self._bytes_read_nixl += nbytes
 
     def record_message(self, parts: int) -> None:
         """A message carrying `parts` LAYER parts arrived (more than one: coalesced)."""
@@ -69,6 +73,7 @@ class TransferStats:
                 "bytes_sent": self._bytes_sent,
                 "bytes_received": self._bytes_received,
                 "bytes_received_nixl": self._bytes_received_nixl,
+                "bytes_read_nixl": self._bytes_read_nixl,
                 "transfers_done": self._done,
                 "transfers_failed": self._failed,
                 "pairs_refused": self._refused,

@@ -185,6 +185,9 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
         fam.counter("kv_received_bytes", "KV payload bytes received, by transport (NIXL "
                     "landing slots, or inline on gloo/NCCL).", by=("transport",),
                     series={("nixl",): nixl, ("inline",): max(total - nixl, 0)})
+        fam.counter("kv_nixl_read_bytes", "Of the NIXL bytes, those this worker read from "
+                    "the sender's staging slots (same host: one copy), not written into its "
+                    "landing slots.", c.get("kv_bytes_read_nixl", 0))
 
 
 def _pull_families(fam: _Families, c: Mapping[str, float], pulls: bool) -> None:

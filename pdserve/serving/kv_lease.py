@@ -43,12 +43,13 @@ class LeaseConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
 
     def transfer_config(self, host: str = "", auth_key: bytes | None = None,
-                        backend: str = "auto") -> TransferConfig:
+                        backend: str = "auto", nixl_reads: bool = True) -> TransferConfig:
         """The transfer engine's config, whose cap on any lease is the longest of these;
-        `host`, `auth_key`, `backend` as in `TransferConfig` (the worker's bind address, its
-        KV key, its torch.distributed transport: `pdserve.serving.kv_transport`)."""
+        `host`, `auth_key`, `backend`, `nixl_reads` as in `TransferConfig` (the worker's bind
+        address, its KV key, its torch.distributed transport and whether its NIXL pairs on
+        one host read: `pdserve.serving.kv_transport`)."""
         return TransferConfig(lease_s=max(self.kv_lease_s, self.pull_lease_s), host=host,
-                              auth_key=auth_key, backend=backend)
+                              auth_key=auth_key, backend=backend, nixl_reads=nixl_reads)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ Whatever the choice, control frames (headers, DONE, aborts, slot grants) travel 
 authenticated gloo pairs and every transfer has the same lease, ticket and state machine
 (`kv_store.transfer`). The choice reaches a worker's tensor-parallel followers through
 `$PDSERVE_KV_TRANSPORT`, which is also the flag's default.
+
+With NIXL, a sender whose receiver is on its own host offers its staging slots for the
+receiver to READ into its cache (one copy; `kv_store.transfer.nixl_read`) unless
+`--no-kv-nixl-reads` (`$PDSERVE_KV_NIXL_READS=0`, likewise passed to followers): then every
+pair writes into the receiver's landing pool, as pairs across hosts always do.
 """
 
 from __future__ import annotations
@@ -27,11 +32,20 @@ log = logging.getLogger(__name__)
 KV_TRANSPORTS = ("nixl", "nccl", "gloo")
 KV_TRANSPORT_ENV = "PDSERVE_KV_TRANSPORT"
 DEFAULT_KV_TRANSPORT = "nixl"
+NIXL_READS_ENV = "PDSERVE_KV_NIXL_READS"
 
 
 def default_kv_transport() -> str:
     """The flag's default: `$PDSERVE_KV_TRANSPORT`, else nixl."""
     return os.environ.get(KV_TRANSPORT_ENV, "") or DEFAULT_KV_TRANSPORT
+
+
+def default_nixl_reads() -> bool:
+    """`--kv-nixl-reads`' default: `$PDSERVE_KV_NIXL_READS` (1 or 0), else on."""
+    value = os.environ.get(NIXL_READS_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"${NIXL_READS_ENV} must be 1 or 0, got {value!r}")
+    return value != "0"
 
 
 def check_kv_transport(name: str) -> str:

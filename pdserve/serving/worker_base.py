@@ -30,7 +30,7 @@ from pdserve.serving.drain import DrainGate
 from pdserve.serving.engine_loop import EngineLoop
 from pdserve.serving.grpc_server import RunningServer, start_server
 from pdserve.serving.kv_push import PushError, push_kv
-from pdserve.serving.kv_transport import KV_TRANSPORT_ENV
+from pdserve.serving.kv_transport import KV_TRANSPORT_ENV, NIXL_READS_ENV
 from pdserve.serving.security.secret import CLUSTER_SECRET_FILE_ENV
 from pdserve.serving.worker_options import WorkerOptions, add_worker_args, options_from_args
 
@@ -189,5 +189,6 @@ def run_worker(role: str, serve: Callable[[WorkerOptions], Awaitable[None]],
     if args.cluster_secret_file:  # its tensor-parallel followers (children) read it too
         os.environ[CLUSTER_SECRET_FILE_ENV] = args.cluster_secret_file
     os.environ[KV_TRANSPORT_ENV] = options.kv_transport  # and use the same transport
+    os.environ[NIXL_READS_ENV] = "1" if options.kv_nixl_reads else "0"
     configure_process(options)
     asyncio.run(serve(options))

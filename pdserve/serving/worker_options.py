@@ -11,7 +11,12 @@ from typing import Any
 from pdserve.engine.config import INT4_KERNELS, LM_HEAD_DTYPES, EngineConfig
 from pdserve.engine.host_malloc import HOST_MALLOC_MODES
 from pdserve.serving.kv_lease import LeaseConfig
-from pdserve.serving.kv_transport import KV_TRANSPORTS, check_kv_transport, default_kv_transport
+from pdserve.serving.kv_transport import (
+    KV_TRANSPORTS,
+    check_kv_transport,
+    default_kv_transport,
+    default_nixl_reads,
+)
 from pdserve.serving.security import ClientSecurity, InternalSecurity
 from pdserve.serving.security import args as security_args
 
@@ -54,6 +59,8 @@ class WorkerOptions:
     """The leases of this worker's KV hand-offs (`pdserve.serving.kv_lease`)."""
     kv_transport: str = "nixl"
     """What carries KV payloads: nixl | nccl | gloo (`pdserve.serving.kv_transport`)."""
+    kv_nixl_reads: bool = True
+    """NIXL pairs on one host read the sender's staging slots (`--kv-nixl-reads`)."""
     security: InternalSecurity = field(default_factory=InternalSecurity, repr=False,
                                        hash=False)
     """TLS, the cluster secret and metrics tokens (`pdserve.serving.security`)."""
@@ -125,6 +132,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="what carries KV payloads between workers: nixl (default; gloo where "
                         "NIXL does not load), nccl (CUDA KV) or gloo (default: "
                         "$PDSERVE_KV_TRANSPORT, else nixl)")
+    p.add_argument("--kv-nixl-reads", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="with NIXL, a receiver on the sender's host reads the KV from the "
+                        "sender's staging slots (one copy); --no-kv-nixl-reads: it is written "
+                        "into the receiver's landing pool, as across hosts (default: "
+                        "$PDSERVE_KV_NIXL_READS, else on)")
     p.add_argument("--redis", default=os.environ.get(REDIS_URL_ENV, ""), metavar="URL",
                    help="publish this worker's KV blocks to the Redis KV index at URL "
                         f"(redis://:password@host:port/db; default: ${REDIS_URL_ENV})")
@@ -207,6 +220,8 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
                          metrics_port=a.metrics_port, metrics_host=a.metrics_host,
                          redis_url=a.redis, redis_ca=a.redis_ca, lease=lease,
                          kv_transport=check_kv_transport(a.kv_transport),
+                         kv_nixl_reads=(default_nixl_reads() if a.kv_nixl_reads is None
+                                        else a.kv_nixl_reads),
                          security=security_from_args(a), drain_timeout_s=a.drain_timeout)
 
 

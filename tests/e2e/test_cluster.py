@@ -66,6 +66,8 @@ def test_greedy_outputs_equal_the_single_process_engine(cluster, reference):
     nixl = sum(s.counters["kv_bytes_received_nixl"] for s in decode)
     transports = {c.info["kv_transport"] for c in cluster.children}
     assert received > 0 and nixl == (received if transports == {"nixl"} else 0), transports
+    # one host: every NIXL byte was read from the prefill worker's staging slots
+    assert sum(s.counters["kv_bytes_read_nixl"] for s in decode) == nixl
 
 
 def test_workers_move_kv_with_the_transport_they_were_given(cluster):

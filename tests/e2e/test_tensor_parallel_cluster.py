@@ -15,7 +15,7 @@ import pytest
 from pdserve.client import Client, PDServeError
 from pdserve.engine import LLM, SamplingParams
 from tests.helpers.checkpoints import VOCAB, save_tiny
-from tests.helpers.cluster import start_cluster, wait_idle
+from tests.helpers.cluster import start_cluster, wait_idle, worker_stats
 from tests.helpers.engine import random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -34,22 +34,31 @@ def _expected(path) -> list[list[int]]:
         PROMPTS, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))]
 
 
-@pytest.mark.parametrize("ckpt, prefill_tp, decode_tp", [
-    ("lively_llama", 2, 1),   # two prefill ranks send their head halves to one decode rank
-    ("tiny_qwen2", 1, 2),     # one prefill rank splits its heads over two decode ranks
-    ("tiny_llama3", 2, 2),    # one KV head, replicated on every rank: sent once per receiver
+@pytest.mark.parametrize("ckpt, prefill_tp, decode_tp, reads", [
+    ("lively_llama", 2, 1, True),   # two prefill ranks send their head halves to one rank
+    ("tiny_qwen2", 1, 2, True),     # one prefill rank splits its heads over two decode ranks
+    # one KV head, replicated on every rank: sent once per receiver; written into the
+    # landing pools (the flag reaches the follower ranks too)
+    ("tiny_llama3", 2, 2, False),
 ])
 def test_cluster_with_different_tp_degrees_equals_the_engine(request, tmp_path, ckpt,
-                                                              prefill_tp, decode_tp):
+                                                              prefill_tp, decode_tp, reads):
     path = request.getfixturevalue(ckpt)
     expected = _expected(path)
-    cluster = start_cluster(path, tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    cluster = start_cluster(path, tmp_path, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                            worker_args=() if reads else ("--no-kv-nixl-reads",))
     try:
         with Client(cluster.address) as client:
             got = [client.generate(p, max_tokens=8, temperature=0.0, ignore_eos=True,
                                    timeout=60).token_ids for p in PROMPTS]
         assert got == expected
         assert not any(wait_idle(cluster).values())
+        # decode rank 0's receiver: what came through NIXL was read in place, or written
+        decode = worker_stats(cluster.workers("decode")[0].info["address"]).counters
+        nixl = decode["kv_bytes_received_nixl"]
+        assert decode["kv_bytes_read_nixl"] == (nixl if reads else 0)
+        on_nixl = {c.info["kv_transport"] for c in cluster.children} == {"nixl"}
+        assert nixl == (decode["kv_bytes_received"] if on_nixl else 0)
     finally:
         cluster.stop()
 

@@ -393,8 +393,8 @@ def test_one_sender_to_two_receivers(agents, new_sender, transport):
         assert future.result(20).layers == 3
     assert sender.stats()["pairs_open"] == 2
     assert sender.stats()["pairs_nixl"] == (2 if transport == "nixl" else 0)
-    # reads are opt-in (`TransferConfig.nixl_reads`): these pairs write into landing pools
-    assert sender.stats()["pairs_nixl_reading"] == 0
+    # on one host the receivers read from the sender's staging pool (`nixl_read`)
+    assert sender.stats()["pairs_nixl_reading"] == (2 if transport == "nixl" else 0)
     for name in ("a", "b"):
         for i in range(2):
             rid = f"fan-{name}-{i}"
@@ -628,6 +628,8 @@ def test_a_nixl_pair_that_reads_or_writes_lands_the_same_bytes(agents, local_nix
         stats = rx.stats()
         assert stats["bytes_received_nixl"] == (stats["bytes_received"] if local_nixl else 0)
         assert stats["pairs_nixl_reading"] == (1 if local_nixl is not None and reads else 0)
+        read = stats["bytes_received"] if local_nixl is not None and reads else 0
+        assert stats["bytes_read_nixl"] == read
 
 
 def test_a_pair_the_pool_has_no_slots_for_sends_inline(agents, local_nixl):

@@ -74,7 +74,8 @@ def test_prefill_counters_become_transfer_and_prefix_metrics():
 def test_decode_counters_and_a_dead_engine():
     counters = {"local_prefills": 1, "remote_prefills": 4, "prefix_hit_blocks": 3,
                 "kv_exposed_s": 0.04, "kv_transfers": 4, "kv_pairs_refused": 2,
-                "kv_frames_refused": 5}
+                "kv_frames_refused": 5, "kv_bytes_received": 100, "kv_bytes_received_nixl": 60,
+                "kv_bytes_read_nixl": 40}
     reg = scrape(WorkerSnapshot(None, counters, 9), role="decode")
     assert val(reg, "pdserve_engine_up", "decode") == 0
     assert val(reg, "pdserve_queue_depth", "decode", state="waiting") is None
@@ -82,6 +83,9 @@ def test_decode_counters_and_a_dead_engine():
     assert val(reg, "pdserve_kv_exposed_seconds_count", "decode") == 4
     assert val(reg, "pdserve_kv_refused_total", "decode", what="frame") == 5
     assert val(reg, "pdserve_kv_refused_total", "decode", what="pair") == 2
+    assert val(reg, "pdserve_kv_received_bytes_total", "decode", transport="nixl") == 60
+    assert val(reg, "pdserve_kv_received_bytes_total", "decode", transport="inline") == 40
+    assert val(reg, "pdserve_kv_nixl_read_bytes_total", "decode") == 40
     assert val(reg, "pdserve_prefix_hit_ratio", "decode") is None  # no prompt counter here
     assert val(reg, "pdserve_kv_transfer_bytes_total", "decode") is None
 
