@@ -182,8 +182,8 @@ def _counter_families(fam: _Families, c: Mapping[str, float]) -> None:
                             ("frame",): c["kv_frames_refused"]})
     if "kv_bytes_received" in c:  # decode workers' receivers, by payload path
         total, nixl = c["kv_bytes_received"], c.get("kv_bytes_received_nixl", 0)
-        fam.counter("kv_received_bytes", "KV payload bytes received, by transport (NIXL "
-                    "landing slots, or inline on gloo/NCCL).", by=("transport",),
+        fam.counter("kv_received_bytes", "KV payload bytes received, by transport (NIXL, "
+                    "or inline on gloo/NCCL).", by=("transport",),
                     series={("nixl",): nixl, ("inline",): max(total - nixl, 0)})
         fam.counter("kv_nixl_read_bytes", "Of the NIXL bytes, those this worker read from "
                     "the sender's staging slots (same host: one copy), not written into its "
