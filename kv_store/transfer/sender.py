@@ -220,6 +220,9 @@ class KVSender:
                      "pairs_nixl_reading": sum(1 for p in self._pairs.values() if p.reading),
                      # waits for a landing slot to come back (backpressure), open pairs
                      "nixl_slot_waits": sum(p.slot_waits for p in self._pairs.values())}
+            staging = self._staging
+        if staging is not None:  # its slots are lent, or held back after a pair broke
+            extra["nixl_staging_free"] = staging.num_free
         return self._stats.snapshot(**extra)
 
     def close(self) -> None:

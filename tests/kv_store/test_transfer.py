@@ -280,7 +280,8 @@ class Agent:
 def agents(transport, local_nixl):
     """Two long-lived agents, plus some that a test may kill (all spawned in parallel)."""
     started = {name: Agent(transport) for name in ("a", "b", "doomed_sender",
-                                                   "doomed_receiver", "stalled_sender")}
+                                                   "doomed_receiver", "stalled_sender",
+                                                   "stopped_receiver")}
     yield started
     for agent in started.values():
         agent.stop()
@@ -438,6 +439,55 @@ def test_killed_receiver_fails_the_sender_future(agents, new_sender):
     assert sender.stats()["transfers_failed"] == 1
     sender.close()
     assert wait_until(lambda: not pair_threads()), pair_threads()
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "T"
+
+
+def test_a_reader_killed_with_parts_unread_leaves_their_staging_slots_quarantined(
+        agents, new_sender, local_nixl):
+    """Parts in lent staging slots when their reader dies are not lent again at once (on
+    another host a timed-out read could still land later); they come back when the
+    quarantine (`io_timeout_s`) ends, and the pool serves the next receiver."""
+    if local_nixl is None:
+        pytest.skip("staging slots belong to NIXL reads")
+    doomed = agents["stopped_receiver"]
+    started = doomed.call("receiver_start", config=FAST)
+    address = started["address"]
+    slots = 8
+    config = TransferConfig(io_timeout_s=4.0, nixl_pool_bytes=slots * 4096,
+                            nixl_slot_bytes=4096, **FAST)  # 4 KiB: one 2-block fp32 layer
+    sender = new_sender(config, peer_of(started))
+    sender.send_layer(address, "stale", 0, make_blocks("stale", 2),
+                      make_kv("stale", 0, 2, torch.float32))
+    assert doomed.call("events", kind="layer", rid="stale")["found"]
+    assert sender.stats()["pairs_nixl_reading"] == 1
+    os.kill(doomed.proc.pid, signal.SIGSTOP)  # the reader stops: what follows stays unread
+    assert wait_until(lambda: _stopped(doomed.proc.pid))
+    for layer in (1, 2):
+        sender.send_layer(address, "stale", layer, make_blocks("stale", 2),
+                          make_kv("stale", layer, 2, torch.float32))
+    assert wait_until(lambda: sender.stats()["nixl_staging_free"] <= slots - 2)
+    future = sender.finish(address, "stale", b"")
+    doomed.kill()
+    with pytest.raises(TransferError, match="broke|lost"):
+        future.result(config.io_timeout_s + 5)
+    # the pair went down unclean: its unread slots are held, not free
+    assert sender.stats()["nixl_staging_free"] <= slots - 2
+    assert wait_until(lambda: sender.stats()["nixl_staging_free"] == slots,
+                      timeout=config.io_timeout_s + 10)
+    live = agents["b"].call("receiver_start", config=FAST)
+    sender.add_peer(live["address"], live["peer"])
+    for layer in range(slots + 2):  # more layers than slots: every slot is lent again
+        sender.send_layer(live["address"], "after", layer, make_blocks("after", 2),
+                          make_kv("after", layer, 2, torch.float32))
+    assert sender.finish(live["address"], "after", b"").result(20).layers == slots + 2
+    assert agents["b"].call("events", kind="done", rid="after")["found"]
+    events = [e for e in agents["b"].call("events")["events"] if e[1] == "after"]
+    assert events == [["layer", "after", i, True] for i in range(slots + 2)] + [
+        ["done", "after", b""]]  # in order, every byte as sent
 
 
 def test_abort_fails_the_request_on_the_receiver_without_done(agents, receiver):
