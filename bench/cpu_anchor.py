@@ -5,12 +5,17 @@ tokens/s at batch 1 and batch 8, side by side in one run. Issue 15.
 
 On a CPU with AMX (e.g. a Sapphire Rapids Xeon), llama.cpp's native build (GGML_NATIVE) turns
 on its AMX path, and that segfaulted in `llama_decode` on the development machine. Build it
-without AMX, keeping AVX-512 where the CPU has it:
+without AMX, keeping AVX-512 where the CPU has it, and `GGML_AVX_VNNI` (the VEX-coded VNNI)
+only where /proc/cpuinfo lists `avx_vnni`: Zen 4 has AVX-512 VNNI but not it, and a build
+with it dies there with SIGILL. `--no-cache-dir`: pip's wheel cache would otherwise hand back
+a wheel built earlier for another CPU.
 
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
       -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-      -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
-      .venv/bin/pip install --no-deps llama-cpp-python && .venv/bin/pip install diskcache
+      -DGGML_AVX_VNNI=$(grep -qw avx_vnni /proc/cpuinfo && echo ON || echo OFF) \
+      -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF" \
+      .venv/bin/pip install --no-cache-dir --no-deps llama-cpp-python
+    .venv/bin/pip install diskcache
     .venv/bin/python bench/cpu_anchor.py [--repeats 3] [--threads 2] [--new 128]
         [--quantization int4] [--without-llama-cpp]
 

@@ -15,12 +15,20 @@ if [[ "${1:-}" == "--quick" ]]; then R=1; fi
 LOGS=bench/results/sweep
 mkdir -p "$LOGS"
 
-run() {  # run NAME CMD...: one bench, its output teed to its log, its wall time noted
+FAILED=()
+run() {  # run NAME CMD...: one bench, its output teed to its log, its wall time noted; a bench
+    # that fails (a llama.cpp built for another CPU dies with SIGILL) is reported at the end
+    # and the others still run
     local name=$1; shift
     echo "== $name ($(date -u +%H:%M:%S) UTC, load $(cut -d' ' -f1 /proc/loadavg)): $*"
-    local t0=$SECONDS
-    "$@" 2>&1 | tee "$LOGS/$name.log"
-    echo "== $name took $((SECONDS - t0)) s"
+    local t0=$SECONDS rc=0
+    "$@" 2>&1 | tee "$LOGS/$name.log" || rc=$?
+    if ((rc)); then
+        echo "== $name FAILED (exit $rc) after $((SECONDS - t0)) s"
+        FAILED+=("$name")
+    else
+        echo "== $name took $((SECONDS - t0)) s"
+    fi
 }
 
 run decode_b1 $PY bench/decode_bench.py --repeats $((R + 2)) --threads 2 --batches 1 \
@@ -42,4 +50,5 @@ run disagg $PY bench/disagg_vs_colocated.py --model default --rates 0.03,0.1 --d
     --long-len 1024 --slo-ttft-ms 60000 --slo-tpot-ms 1000 \
     --worker-arg=--kv-cache-memory-gb=0.75 --output bench/results/disagg_real.json \
     --plot bench/results/disagg_real.png
-echo "== sweep done $(date -u +%H:%M:%S) UTC"
+echo "== sweep done $(date -u +%H:%M:%S) UTC${FAILED[*]:+; failed: ${FAILED[*]}}"
+((${#FAILED[@]} == 0))

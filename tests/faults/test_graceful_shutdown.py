@@ -68,8 +68,13 @@ def test_router_sigterm_finishes_every_stream_in_flight(tiny_llama, tmp_path, ex
         outcomes, signalled_at, late = asyncio.run(
             signal_once_streaming(cluster.address, REQUESTS, sigterm_then_probe))
         assert late == "UNAVAILABLE"  # a new request while draining: retry elsewhere
-        assert all(o.first_token is not None and o.first_token < signalled_at < o.ended
-                   for o in outcomes)  # all ten were mid-stream
+        # The signal came mid-stream for both kinds (a loaded machine can finish one of the
+        # first local prefills' streams before the last remote prefill starts): whatever ran
+        # then must end OK, with the engine's tokens.
+        mid = [o.first_token is not None and o.first_token < signalled_at < o.ended
+               for o in outcomes]
+        assert any(mid[0::2]) and any(mid[1::2]), f"mid-stream at the signal: {mid}"
+        assert sum(mid) >= len(mid) // 2, f"mid-stream at the signal: {mid}"
         assert [o.status for o in outcomes] == ["OK"] * 10
         assert [o.token_ids for o in outcomes] == expected
         assert router.proc.wait(timeout=60) == 0
