@@ -103,6 +103,7 @@ class NixlAgent:
             raise NixlUnavailable(f"NIXL's UCX backend does not start: {exc}") from None
         self._lock = threading.Lock()
         self._peers: dict[bytes, str] = {}  # remote metadata -> its agent name
+        self._users: dict[bytes, int] = {}  # remote metadata -> pairs that connected to it
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="nixl-progress", daemon=True)
         self._ticker.start()
@@ -133,19 +134,35 @@ class NixlAgent:
     # ---- peers -------------------------------------------------------------------------------
 
     def connect(self, metadata: bytes) -> str:
-        """Load a remote agent (once per metadata); its name for `write`."""
+        """Load a remote agent (once per metadata) for one more user, who calls `disconnect`
+        when done with it; its name for `write`."""
         with self._lock:
             name = self._peers.get(metadata)
             if name is None:
                 raw = self._agent.add_remote_agent(metadata)
                 name = raw.decode() if isinstance(raw, bytes) else str(raw)
                 self._peers[metadata] = name
+            self._users[metadata] = self._users.get(metadata, 0) + 1
             return name
 
-    def forget(self, metadata: bytes) -> None:
-        """Unload a remote agent (its process ended, or no pair uses it any more)."""
+    def disconnect(self, metadata: bytes) -> None:
+        """One user of a remote agent is done (its pair ended); the last unloads it, so a
+        prefill worker that outlives many decode workers does not keep every one loaded."""
+        with self._lock:  # held across the unload: a connect meanwhile loads it afresh
+            left = self._users.get(metadata, 0) - 1
+            if left > 0:
+                self._users[metadata] = left
+                return
+            self._users.pop(metadata, None)
+            self._unload(metadata)
+
+    def connected(self, metadata: bytes) -> bool:
+        """Whether the remote agent of `metadata` is loaded."""
         with self._lock:
-            name = self._peers.pop(metadata, None)
+            return metadata in self._peers
+
+    def _unload(self, metadata: bytes) -> None:  # caller holds self._lock
+        name = self._peers.pop(metadata, None)
         if name is not None:
             try:
                 self._agent.remove_remote_agent(name)
@@ -222,9 +239,9 @@ class NixlAgent:
         self._stop.set()
         self._ticker.join(1.0)
         with self._lock:
-            peers = list(self._peers)
-        for md in peers:
-            self.forget(md)
+            self._users.clear()
+            for md in list(self._peers):
+                self._unload(md)
 
     def _tick(self) -> None:
         while not self._stop.wait(_TICK_S):

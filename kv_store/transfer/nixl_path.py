@@ -266,7 +266,8 @@ class NixlSend:
         pool, for a receiver on this host (the pair OFFERs it: `nixl_read`)."""
         self._agent = agent
         self._peer = peer
-        self._peer_name = agent.connect(peer.metadata)
+        self._peer_name = agent.connect(peer.metadata)  # until close() disconnects
+        self._connected = True
         self._fallback = fallback  # inline path, for payloads that cannot use a slot
         self._cap = cap
         self.slot_waits = 0
@@ -326,6 +327,7 @@ class NixlSend:
         with self._cv:
             self._closed = True
             read, reg, self._credit_reg = self._read, self._credit_reg, None
+            connected, self._connected = self._connected, False
             self._cv.notify_all()
         if read is not None and self._unread and not clean:
             # what the receiver has read by now is free at once; only the rest waits
@@ -339,6 +341,8 @@ class NixlSend:
             self._agent.deregister(reg)
         if unread and not clean:  # the receiver may still be reading them
             self._staging.keep(unread)
+        if connected:  # the last pair to a receiver unloads its agent
+            self._agent.disconnect(self._peer.metadata)
 
     def send_layers(self, channel: Channel, items: Sequence[Outgoing],
                     timeout_s: float) -> list[int]:
@@ -611,6 +615,10 @@ class NixlReceive:
         if self._pool is not None and self._slots:
             self._pool.give_back(self._slots, quarantined=not clean)
             self._slots = []
+        staging, self._staging = self._staging, None
+        if staging is not None:  # its reads are done: they run in the pair's thread
+            self._source = None
+            self._pool.agent.disconnect(staging.metadata)
 
     def _publish(self, count: int) -> None:
         """Set the credit counter (the complement first: a reader that sees the two from

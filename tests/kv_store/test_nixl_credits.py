@@ -33,7 +33,11 @@ class MemmoveAgent:
         return b"agent"
 
     def connect(self, metadata):
+        self.users += 1
         return "peer"
+
+    def disconnect(self, metadata):
+        self.users -= 1
 
     def write(self, peer, mem, device, local, remote, timeout_s):
         for (src, n), (dst, m) in zip(local, remote, strict=True):
@@ -54,6 +58,7 @@ class MemmoveAgent:
         return Read()
 
     reads = 0
+    users = 0  # pairs connected to the peer now
 
 
 class Wire:
@@ -190,3 +195,11 @@ def _raises(fn):
     except Exception as exc:  # the test looks at which
         return exc
     return None
+
+
+def test_a_closed_sender_lets_go_of_the_receivers_agent_once():
+    agent, _, _, tx, _, _ = pair(2)
+    assert agent.users == 1
+    tx.close()
+    tx.close()  # twice (a GRANT after a teardown closes again): still one disconnect
+    assert agent.users == 0

@@ -34,7 +34,13 @@ class _Agent:
     def connect(self, md: bytes) -> str:
         if md != b"agent-metadata":
             raise RuntimeError("unknown agent")
+        self.users += 1
         return "peer"
+
+    def disconnect(self, md: bytes) -> None:
+        self.users -= 1
+
+    users = 0  # pairs connected to the peer now
 
 
 class CopyAgent(_Agent):
@@ -177,3 +183,11 @@ def test_an_offer_without_granted_slots_or_of_a_foreign_agent_is_refused():
 def test_loopback_is_this_host_and_a_documentation_address_is_not():
     assert is_local_host("127.0.0.1") and is_local_host("localhost")
     assert not is_local_host("192.0.2.1")
+
+
+def test_a_receiving_pair_lets_go_of_its_senders_agent_when_it_ends():
+    agent, rx, _ = _receiving_pair(None)
+    assert agent.users == 1  # the OFFER loaded the sender's agent
+    rx.close(clean=False)
+    rx.close(clean=False)
+    assert agent.users == 0

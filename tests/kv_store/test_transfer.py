@@ -35,6 +35,7 @@ from kv_store.transfer import (
     wire,
 )
 from kv_store.transfer.nixl_agent import NixlAgent
+from kv_store.transfer.nixl_path import NixlDescriptor
 
 CTX = mp.get_context("spawn")
 NUM_BLOCKS = 48  # blocks in each cache tensor of a receiver
@@ -476,6 +477,7 @@ def test_a_reader_killed_with_parts_unread_leaves_their_staging_slots_quarantine
         future.result(config.io_timeout_s + 5)
     # the pair went down unclean: its unread slots are held, not free
     assert sender.stats()["nixl_staging_free"] <= slots - 2
+    assert not local_nixl.connected(NixlDescriptor.decode(started["peer"]).metadata)
     assert wait_until(lambda: sender.stats()["nixl_staging_free"] == slots,
                       timeout=config.io_timeout_s + 10)
     live = agents["b"].call("receiver_start", config=FAST)
