@@ -201,6 +201,7 @@ class SenderPair:
             if self._state is PairState.CONNECTING:
                 self._state = PairState.OPEN
         if aborted:  # torn down while the rendezvous was running
+            self._path.close()  # the NIXL path made since lets go of the receiver's agent
             channel.abort()
             return
         self._reader.start()
