@@ -106,7 +106,8 @@ class LLMEngine:
         # Everything that sizes, moves or hashes a KV block reads this one value.
         self.kv_layout = KVLayout.of_model(self.model_config, config.block_size, self.kv_dtype)
         num_blocks = config.num_gpu_blocks or self._auto_num_blocks()
-        caches = self.kv_layout.new_caches(num_blocks, tp.size, self.device)
+        caches = self.kv_layout.new_caches(num_blocks, tp.size, self.device,
+                                           prefault=config.kv_cache_prefault)
         if self.tp_driver is not None:
             self.tp_driver.setup(num_blocks)
         self.pool = BlockPool(num_blocks, config.block_size, config.enable_prefix_caching,

@@ -132,10 +132,13 @@ class KVLayout:
         per_head = self.planes * self.row_dim * self.format.storage_dtype.itemsize
         return blocks * self.block_size * self.num_layers * heads * per_head
 
-    def new_caches(self, num_blocks: int, tp_size: int, device: torch.device
-                   ) -> list[torch.Tensor]:
+    def new_caches(self, num_blocks: int, tp_size: int, device: torch.device,
+                   prefault: bool = False) -> list[torch.Tensor]:
+        """Zeroed caches, one per layer; `prefault`: every CPU page mapped now
+        (`EngineConfig.kv_cache_prefault`)."""
         shape = self.cache_shape(num_blocks, tp_size)
-        return [_zeros(shape, self.format.storage_dtype, device) for _ in range(self.num_layers)]
+        return [_zeros(shape, self.format.storage_dtype, device, prefault)
+                for _ in range(self.num_layers)]
 
     def check_caches(self, caches: Sequence[torch.Tensor], tp_size: int = 1) -> None:
         """Raise ValueError unless `caches` are this layout's (one per layer)."""
@@ -171,11 +174,16 @@ class KVLayout:
                 f"{self.head_dim} ({self.format}), block {self.block_size}")
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+           prefault: bool = False) -> torch.Tensor:
     """A zeroed cache tensor. On the CPU a mapping the kernel fills with zero pages as they
     are first touched, where `torch.zeros` writes every byte up front (a worker's default
     1 GiB CPU cache cost ~1 s of page faults at start, for blocks most runs never use), on
-    huge pages (`huge_pages`: fewer TLB misses, and NIXL reads land in it faster)."""
+    huge pages (`huge_pages`: fewer TLB misses, and NIXL reads land in it faster).
+    `prefault`: the pages are written now instead, so no request pays for them later."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    return huge_page_zeros(shape, dtype)
+    cache = huge_page_zeros(shape, dtype)
+    if prefault:
+        cache.zero_()  # a write maps each page (a read would map the shared zero page)
+    return cache

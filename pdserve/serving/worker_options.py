@@ -87,6 +87,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="KV blocks to allocate (default: sized from --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=None,
                    help="KV cache budget, GiB (default: 1 on CPU, 80%% of free GPU memory)")
+    p.add_argument("--kv-cache-prefault", action="store_true",
+                   help="CPU: map the whole KV cache at start, so that no request pays its "
+                        "page faults (the worker starts later and holds all of it at once)")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                    action="store_false", help="the same as --no-enable-prefix-caching")
     p.add_argument("--attention-backend", default="auto",
@@ -199,6 +202,7 @@ def options_from_args(role: str, a: argparse.Namespace) -> WorkerOptions:
     engine = EngineConfig(
         model=model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         num_gpu_blocks=a.num_gpu_blocks, kv_cache_memory_gb=a.kv_cache_memory_gb,
+        kv_cache_prefault=a.kv_cache_prefault,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len, enable_prefix_caching=a.enable_prefix_caching,
         attention_backend=a.attention_backend, compile_decode=a.compile_decode,
