@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -67,3 +69,21 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"machine": machine(), **payload}, indent=2))
     return path
+
+
+def child_json(argv: list[str], timeout_s: float = 1800) -> dict:
+    """Run a bench's child process (a fresh one per run: what it measures is the process's
+    own) and parse the JSON its last line of output holds."""
+    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=timeout_s)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def alternated(modes: tuple[str, ...], repeats: int,
+               run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """`repeats` runs of each mode, the order flipped every round, so the machine's drift
+    between minutes hits every mode alike: {mode: [run, ...]}."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for i in range(repeats):
+        for mode in modes if i % 2 == 0 else modes[::-1]:
+            runs[mode].append(run(mode))
+    return runs

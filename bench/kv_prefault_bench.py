@@ -20,14 +20,13 @@ import json
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import alternated, child_json, print_table, write_json  # noqa: E402
 
 MODES = ("lazy", "prefault")
 
@@ -66,8 +65,7 @@ def run_child(mode: str, a: argparse.Namespace) -> dict:
     argv = [sys.executable, __file__, "--child", mode, "--threads", str(a.threads),
             "--requests", str(a.requests), "--prompt-tokens", str(a.prompt_tokens),
             "--kv-gb", str(a.kv_gb)]
-    out = subprocess.run(argv, check=True, capture_output=True, text=True, timeout=1800)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = child_json(argv)
     print(f"{mode}: start {got['start_s']:.2f} s, prefills {got['prefill_s']:.2f} s, "
           f"{got['minor_faults']} minor faults", flush=True)
     return got
@@ -85,10 +83,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         return child(a.child, a)
-    runs: dict[str, list[dict]] = {m: [] for m in MODES}
-    for i in range(a.repeats):  # alternate which mode goes first, so drift hits both alike
-        for mode in MODES if i % 2 == 0 else MODES[::-1]:
-            runs[mode].append(run_child(mode, a))
+    runs = alternated(MODES, a.repeats, lambda mode: run_child(mode, a))
     tokens = [r.pop("tokens") for rs in runs.values() for r in rs]
     assert all(t == tokens[0] for t in tokens), "greedy tokens differ between runs"
     ratios = [lz["prefill_s"] / pf["prefill_s"]

@@ -17,14 +17,13 @@ import argparse
 import json
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import alternated, child_json, print_table, write_json  # noqa: E402
 from pdserve.engine.host_malloc import HOST_MALLOC_MODES  # noqa: E402
 
 
@@ -51,10 +50,8 @@ def child(mode: str, threads: int, batch: int) -> None:
 
 
 def run_child(mode: str, a: argparse.Namespace) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--threads",
-                          str(a.threads), "--batch", str(a.batch)],
-                         check=True, capture_output=True, text=True, timeout=1800)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = child_json([sys.executable, __file__, "--child", mode, "--threads", str(a.threads),
+                      "--batch", str(a.batch)])
     print(f"{mode}: {got['seconds']:.2f} s, {got['minor_faults']} minor faults", flush=True)
     return got
 
@@ -69,10 +66,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         return child(a.child, a.threads, a.batch)
-    runs: dict[str, list[dict]] = {m: [] for m in HOST_MALLOC_MODES}
-    for i in range(a.repeats):  # alternate which mode goes first, so drift hits both alike
-        for mode in HOST_MALLOC_MODES if i % 2 == 0 else HOST_MALLOC_MODES[::-1]:
-            runs[mode].append(run_child(mode, a))
+    runs = alternated(HOST_MALLOC_MODES, a.repeats, lambda mode: run_child(mode, a))
     tokens = [r.pop("tokens") for rs in runs.values() for r in rs]
     assert all(t == tokens[0] for t in tokens), "greedy tokens differ between runs"
     ratios = [s["seconds"] / r["seconds"] for r, s in zip(runs["retain"], runs["system"],
