@@ -33,6 +33,8 @@ run() {  # run NAME CMD...: one bench, its output teed to its log, its wall time
 
 run decode_b1 $PY bench/decode_bench.py --repeats $((R + 2)) --threads 2 --batches 1 \
     --configs default python-layers mkl --output bench/results/decode_b1.json
+# what bounds batch 1's weight GEMVs here: the kernels against a plain read, 1 and 2 threads
+run gemv_bound $PY bench/gemv_bound.py --repeats $((R * 5))
 run decode_b32 $PY bench/decode_bench.py --repeats $R --threads 2 --batches 32 \
     --configs default python-layers mkl --output bench/results/decode_b32.json
 if $PY -c "import llama_cpp" 2>/dev/null; then
