@@ -161,12 +161,17 @@ class FlatDecode(EagerDecode):
 
     def _python_layers(self, x, rope, caches, meta, kernels, rows) -> torch.Tensor:
         ops, t = self._ops, x.shape[0]
-        for layer, cache in zip(self._layers, caches, strict=True):
-            h = ops.rms_norm(x, layer.input_norm, layer.input_eps)
+        layers = self._layers
+        if not layers:
+            return x
+        # A layer's closing residual add is the next layer's add_rms_norm (the same bits as
+        # the add and then rms_norm of the modules' forward); v is written from its slice.
+        h = ops.rms_norm(x, layers[0].input_norm, layers[0].input_eps)
+        for i, (layer, cache) in enumerate(zip(layers, caches, strict=True)):
             q, k, v = layer.qkv(h).split(layer.qkv_sizes, dim=-1)
             q, k = ops.rotary(q.view(t, layer.heads, layer.head_dim),
                               k.view(t, layer.kv_heads, layer.head_dim), rope.cos, rope.sin)
-            kernels.write_kv(cache, k, v.view(t, layer.kv_heads, layer.head_dim).contiguous(),
+            kernels.write_kv(cache, k, v.view(t, layer.kv_heads, layer.head_dim),
                              meta.slot_mapping)
             out = torch.empty_like(q)
             kernels.paged_attention(out, q, cache, meta.block_tables, meta.seq_lens_t,
@@ -174,7 +179,12 @@ class FlatDecode(EagerDecode):
             x, h = ops.add_rms_norm(x, layer.o(out.view(t, layer.heads * layer.head_dim)),
                                     layer.post_norm, layer.post_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            mlp = layer.down(F.silu(gate) * up)
+            if i + 1 == len(layers):
+                x = x + mlp
+            else:
+                nxt = layers[i + 1]
+                x, h = ops.add_rms_norm(x, mlp, nxt.input_norm, nxt.input_eps)
         return x
 
     def _kernel_rows(self, backend, caches, meta, input_ids) -> torch.Tensor | None:

@@ -52,6 +52,24 @@ def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
     torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
 
 
+def test_write_kv_takes_slices_of_a_fused_projection(backend):
+    # The decode loop passes v as a view into the qkv projection's output (rows strided, each
+    # head row contiguous): written without a copy, it must land exactly as a contiguous one.
+    case = make_case([1, 3, 1], [30, 12, 7], heads=6, kv_heads=2, seed=4)
+    t, kvh, d = case.k.shape
+    fused = torch.cat([torch.randn(t, 5), case.k.reshape(t, -1), case.v.reshape(t, -1)], dim=-1)
+    k = fused[:, 5:5 + kvh * d].view(t, kvh, d)
+    v = fused[:, 5 + kvh * d:].view(t, kvh, d)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    strided, dense = case.cache.clone(), case.cache.clone()
+    backend.ops.write_kv(strided, k, v, case.meta.slot_mapping)
+    backend.ops.write_kv(dense, case.k.contiguous(), case.v.contiguous(), case.meta.slot_mapping)
+    assert torch.equal(strided, dense)
+    with pytest.raises(RuntimeError, match="each head row"):
+        backend.ops.write_kv(strided, case.k.transpose(1, 2).contiguous().transpose(1, 2),
+                             case.v, case.meta.slot_mapping)
+
+
 def test_every_row_mode_takes_prefill_chunks_in_the_kernel():
     # The batch-invariant mode: long query segments (a fresh prompt, a chunk over cached
     # context) through the kernel too, within rounding of the reference's SDPA.

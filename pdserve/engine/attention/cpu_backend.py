@@ -70,7 +70,10 @@ class CpuPagedAttention(TorchAttention):
     def write_kv(self, cache, k, v, meta):
         if is_packed_fp8(cache) or k.dtype != cache.dtype:
             return super().write_kv(cache, k, v, meta)
-        self.ops.write_kv(cache, k.contiguous(), v.contiguous(), meta.slot_mapping)
+        # Strided k and v (slices of the qkv projection) are fine: each head row is contiguous.
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        self.ops.write_kv(cache, k, v, meta.slot_mapping)
 
     def attend(self, q, cache, meta, scale, sliding_window):
         plan = meta.backend_plan

@@ -110,22 +110,31 @@ class FlatDecoder : public torch::CustomClassHolder {
                  Tensor rows) {
     TORCH_CHECK(caches.size() == layers_.size(), "FlatDecoder: ", layers_.size(),
                 " layers, ", caches.size(), " caches");
-    const int64_t t = x.size(0);
-    for (size_t i = 0; i < layers_.size(); ++i) {
+    const int64_t t = x.size(0), n = static_cast<int64_t>(layers_.size());
+    if (n == 0) return x;
+    // Each layer's closing residual add is done by the next layer's input norm (add_rms_norm:
+    // the same sum, then the same norm, so the same bits as an add and then rms_norm): one op
+    // a layer fewer. v is written from its slice of the qkv output, without a copy.
+    Tensor h = rms_norm_.call(x, layers_[0].input_norm, layers_[0].input_eps);
+    for (int64_t i = 0; i < n; ++i) {
       const Layer& l = layers_[i];
-      Tensor h = rms_norm_.call(x, l.input_norm, l.input_eps);
       std::vector<Tensor> qkv = at::split_with_sizes(apply(l.qkv, h), l.qkv_sizes, -1);
       auto [q, k] = rotary_.call(qkv[0].view({t, l.heads, l.head_dim}),
                                  qkv[1].view({t, l.kv_heads, l.head_dim}), cos, sin);
-      write_kv_.call(caches[i], k, qkv[2].view({t, l.kv_heads, l.head_dim}).contiguous(),
-                     slot_mapping);
+      write_kv_.call(caches[i], k, qkv[2].view({t, l.kv_heads, l.head_dim}), slot_mapping);
       Tensor out = at::empty_like(q);
       attention_.call(out, q, caches[i], block_tables, seq_lens, query_start, rows, l.scale,
                       l.window);
       auto [s, hn] = add_rms_norm_.call(x, apply(l.o, out.view({t, l.heads * l.head_dim})),
                                         l.post_norm, l.post_eps);
       std::vector<Tensor> gate_up = apply(l.gate_up, hn).chunk(2, -1);
-      x = at::add(s, apply(l.down, at::mul(at::silu(gate_up[0]), gate_up[1])));
+      Tensor mlp = apply(l.down, at::mul(at::silu(gate_up[0]), gate_up[1]));
+      if (i + 1 == n) {
+        x = at::add(s, mlp);
+      } else {
+        const Layer& next = layers_[i + 1];
+        std::tie(x, h) = add_rms_norm_.call(s, mlp, next.input_norm, next.input_eps);
+      }
     }
     return x;
   }

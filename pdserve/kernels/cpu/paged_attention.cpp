@@ -473,8 +473,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
 // cache[slot // bs, 0, :, slot % bs] = k[t]; likewise V. Negative slots are skipped.
 void write_kv(at::Tensor cache, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& slot_mapping) {
-  TORCH_CHECK(cache.is_contiguous() && k.is_contiguous() && v.is_contiguous(),
-              "cache, k and v must be contiguous");
+  // k and v may be strided views (v is a slice of the fused qkv projection): only each head's
+  // row must be contiguous, so the decode loop writes them without a copy first.
+  TORCH_CHECK(cache.is_contiguous() && k.stride(-1) == 1 && v.stride(-1) == 1,
+              "the cache must be contiguous, and each head row of k and v");
   TORCH_CHECK(k.scalar_type() == cache.scalar_type() && v.scalar_type() == cache.scalar_type(),
               "k/v dtype must equal the cache dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(),
@@ -484,6 +486,7 @@ void write_kv(at::Tensor cache, const at::Tensor& k, const at::Tensor& v,
               "k, v [T, KVH, D] matching the cache and slot_mapping [T]");
   const int64_t tokens = k.size(0), kvh = k.size(1), d = k.size(2), bs = cache.size(3);
   const int64_t slots_total = cache.size(0) * bs;
+  const int64_t kt = k.stride(0), kh = k.stride(1), vt = v.stride(0), vh = v.stride(1);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slots[t] < slots_total, "slot ", slots[t], " outside the cache");
@@ -497,8 +500,8 @@ void write_kv(at::Tensor cache, const at::Tensor& k, const at::Tensor& v,
       for (int64_t h = 0; h < kvh; ++h) {
         scalar_t* kd = cp + (((block * 2 + 0) * kvh + h) * bs + off) * d;
         scalar_t* vd = cp + (((block * 2 + 1) * kvh + h) * bs + off) * d;
-        std::copy_n(kp + (t * kvh + h) * d, d, kd);
-        std::copy_n(vp + (t * kvh + h) * d, d, vd);
+        std::copy_n(kp + t * kt + h * kh, d, kd);
+        std::copy_n(vp + t * vt + h * vh, d, vd);
       }
     }
   });
