@@ -282,6 +282,7 @@ class NixlSend:
         self._read: RemoteRead | None = None
         self._granted = False  # the receiver's GRANT arrived
         self._closed = False
+        self._peer_gone = False  # a transfer to the receiver's agent failed: close() asks nothing
         self._staging = staging
         self._offered = False  # an OFFER was tried (once, before the first slot part)
         self.reading = False
@@ -323,13 +324,19 @@ class NixlSend:
         self.close()  # torn down meanwhile: release what close() could not see
 
     def close(self, clean: bool = False) -> None:
-        """`clean`: the receiver hung up after the close handshake (it reads no more)."""
+        """`clean`: the receiver hung up after the close handshake (it reads no more).
+        Unclean, the credit counter is read once more, so that parts the receiver has read
+        free their staging slots at once; the rest go to the quarantine. Not once a transfer
+        to its agent has failed: a read posted to an agent that is gone fails too, and UCX
+        never returns that request to its pool (a warning at exit). A receiver that dies
+        while this side is idle is still read once (a broken channel does not tell a dead
+        receiver from one that aborted the pair and still reads)."""
         with self._cv:
             self._closed = True
             read, reg, self._credit_reg = self._read, self._credit_reg, None
             connected, self._connected = self._connected, False
             self._cv.notify_all()
-        if read is not None and self._unread and not clean:
+        if read is not None and self._unread and not (clean or self._peer_gone):
             # what the receiver has read by now is free at once; only the rest waits
             with contextlib.suppress(ChannelClosed, ProtocolError):
                 self._read_credit(time.monotonic() + 0.5)
@@ -441,6 +448,7 @@ class NixlSend:
                                for p, s in zip(run, slots, strict=True)],
                               max(deadline - time.monotonic(), 0.001))
         except NixlWriteError as exc:
+            self._peer_gone = True
             raise ChannelClosed(str(exc)) from None
 
     def _wait_granted(self, deadline: float) -> bool:
@@ -489,6 +497,7 @@ class NixlSend:
             try:
                 self._read.read(max(deadline - time.monotonic(), 0.001))
             except NixlWriteError as exc:
+                self._peer_gone = True
                 raise ChannelClosed(str(exc)) from None
             count, check = self._credit.tolist()
             # a torn read (count and complement from different updates) is read again; a

@@ -12,10 +12,11 @@ import torch
 
 from kv_store.transfer import wire
 from kv_store.transfer.channel import FORWARD_TAG, ChannelClosed
-from kv_store.transfer.nixl_agent import Registration
+from kv_store.transfer.nixl_agent import NixlWriteError, Registration
 from kv_store.transfer.nixl_path import LandingPool, NixlReceive, NixlSend
 from kv_store.transfer.sender_pair import Outgoing
 from kv_store.transfer.wire import Header, Kind, ProtocolError
+from tests.helpers.cluster import eventually
 
 SLOT = 4096
 
@@ -50,6 +51,8 @@ class MemmoveAgent:
         class Read:
             def read(self, timeout_s):
                 agent.reads += 1
+                if agent.gone:
+                    raise NixlWriteError("remote agent was disconnected")
                 ctypes.memmove(local[0], remote[0], local[1])
 
             def release(self):
@@ -59,6 +62,7 @@ class MemmoveAgent:
 
     reads = 0
     users = 0  # pairs connected to the peer now
+    gone = False  # the peer's agent died: every read fails
 
 
 class Wire:
@@ -203,3 +207,37 @@ def test_a_closed_sender_lets_go_of_the_receivers_agent_once():
     tx.close()
     tx.close()  # twice (a GRANT after a teardown closes again): still one disconnect
     assert agent.users == 0
+
+
+def test_after_a_failed_read_a_pair_closes_without_reading_its_counter_again():
+    # On a reading pair, an unclean close reads the credit counter once more, so that parts
+    # the receiver did read free their staging slots at once. Once a read has failed, the
+    # receiver's agent is gone: another read fails too, and UCX never returns the request
+    # to its pool. The unread slots go to the quarantine without it.
+    agent, pool, rx, _, line, grant = pair(4)
+    staging = LandingPool(agent, 4 * SLOT, SLOT, quarantine_s=0.01)
+    tx = NixlSend(agent, pool.descriptor, fallback=None, cap=8, staging=staging)
+    tx.on_grant(grant)
+    tx.send_layers(line, layers(4), 1.0)  # 4 parts lent staging slots, none read
+    assert tx.reading and staging.num_free == 0
+    agent.gone = True
+    with pytest.raises(ChannelClosed, match="disconnected"):  # a fifth part waits on the
+        tx.send_layers(line, layers(1, 4), 1.0)  # counter, and the read fails
+    reads = agent.reads
+    tx.close()
+    assert agent.reads == reads
+    eventually(lambda: staging.num_free == 4, "the unread slots back after the quarantine")
+
+
+def test_an_unclean_close_reads_the_counter_once_more_while_the_receiver_lives():
+    agent, pool, rx, _, line, grant = pair(4)
+    staging = LandingPool(agent, 4 * SLOT, SLOT, quarantine_s=60.0)
+    tx = NixlSend(agent, pool.descriptor, fallback=None, cap=8, staging=staging)
+    tx.on_grant(grant)
+    tx.send_layers(line, layers(2), 1.0)
+    counter, _ = pool.credit(grant.slots[0])
+    counter[0], counter[1] = 2, ~2  # the receiver has read both parts
+    reads = agent.reads
+    tx.close()
+    assert agent.reads == reads + 1
+    assert staging.num_free == 4  # read: free at once, not held for the quarantine
