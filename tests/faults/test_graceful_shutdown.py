@@ -29,6 +29,7 @@ pytestmark = pytest.mark.timeout(300)
 MAX_TOKENS = 400
 PROMPTS = random_prompts([20, 50] * 5, VOCAB, seed=51)  # local and remote prefills
 REQUESTS = [greedy_request(p, MAX_TOKENS) for p in PROMPTS]
+WARM_UP = random_prompts([20, 50], VOCAB, seed=52)  # one of each kind, sharing no prefix
 # Decode drain: decode workers run one stream at a time (--max-num-seqs 1) and prefill these
 # short prompts themselves; as many streams are queued on each as take (by a warm-up stream's
 # speed) DRAIN_MARGIN times the router's heartbeat timeout, so the victim's drain outlasts it
@@ -65,6 +66,16 @@ def test_router_sigterm_finishes_every_stream_in_flight(tiny_llama, tmp_path, ex
                                       greedy_request(PROMPTS[0], 4), 10)
             return late.status
 
+        async def warm_up():
+            # One request of each kind first: a cold pair's set-up (the prefill's KV
+            # transfer to the decode worker) once held the remote streams' first tokens back
+            # until every local stream had ended, so none was mid-stream at the signal.
+            async with grpc.aio.insecure_channel(cluster.address) as ch:
+                stub = pb_grpc.PDServeStub(ch)
+                return [(await generate(stub, i, greedy_request(p, 4), 60)).status
+                        for i, p in enumerate(WARM_UP)]
+
+        assert asyncio.run(warm_up()) == ["OK", "OK"]
         outcomes, signalled_at, late = asyncio.run(
             signal_once_streaming(cluster.address, REQUESTS, sigterm_then_probe))
         assert late == "UNAVAILABLE"  # a new request while draining: retry elsewhere
