@@ -209,15 +209,22 @@ def test_a_closed_sender_lets_go_of_the_receivers_agent_once():
     assert agent.users == 0
 
 
+def reading_sender(agent, pool, grant, quarantine_s):
+    """A second sender on `pair`'s receiver whose parts wait in 4 staging slots of its own,
+    for the receiver to read (`nixl_read`)."""
+    staging = LandingPool(agent, 4 * SLOT, SLOT, quarantine_s=quarantine_s)
+    tx = NixlSend(agent, pool.descriptor, fallback=None, cap=8, staging=staging)
+    tx.on_grant(grant)
+    return tx, staging
+
+
 def test_after_a_failed_read_a_pair_closes_without_reading_its_counter_again():
     # On a reading pair, an unclean close reads the credit counter once more, so that parts
     # the receiver did read free their staging slots at once. Once a read has failed, the
     # receiver's agent is gone: another read fails too, and UCX never returns the request
     # to its pool. The unread slots go to the quarantine without it.
     agent, pool, rx, _, line, grant = pair(4)
-    staging = LandingPool(agent, 4 * SLOT, SLOT, quarantine_s=0.01)
-    tx = NixlSend(agent, pool.descriptor, fallback=None, cap=8, staging=staging)
-    tx.on_grant(grant)
+    tx, staging = reading_sender(agent, pool, grant, quarantine_s=0.01)
     tx.send_layers(line, layers(4), 1.0)  # 4 parts lent staging slots, none read
     assert tx.reading and staging.num_free == 0
     agent.gone = True
@@ -231,9 +238,7 @@ def test_after_a_failed_read_a_pair_closes_without_reading_its_counter_again():
 
 def test_an_unclean_close_reads_the_counter_once_more_while_the_receiver_lives():
     agent, pool, rx, _, line, grant = pair(4)
-    staging = LandingPool(agent, 4 * SLOT, SLOT, quarantine_s=60.0)
-    tx = NixlSend(agent, pool.descriptor, fallback=None, cap=8, staging=staging)
-    tx.on_grant(grant)
+    tx, staging = reading_sender(agent, pool, grant, quarantine_s=60.0)
     tx.send_layers(line, layers(2), 1.0)
     counter, _ = pool.credit(grant.slots[0])
     counter[0], counter[1] = 2, ~2  # the receiver has read both parts
