@@ -27,6 +27,7 @@ own versioned codec (`pdserve.serving.kv_messages`).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -257,8 +258,7 @@ def decode_header(data: bytes) -> Header:
 
 def _slots(doc: dict[str, Any]) -> tuple[int, ...]:
     slots = tuple(_field(doc, "slots", list))
-    if len(slots) > MAX_GRANT_SLOTS or not all(
-            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in slots):
+    if len(slots) > MAX_GRANT_SLOTS or not _naturals(slots):
         raise ProtocolError(f"field 'slots' must be at most {MAX_GRANT_SLOTS} "
                             "non-negative ints")
     return slots
@@ -297,9 +297,9 @@ def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
         raise ProtocolError(f"field 'head_start' is negative: {head_start}")
     if layer < 0:
         raise ProtocolError(f"field 'layer' is negative: {layer}")
-    if not all(isinstance(b, int) and b >= 0 for b in blocks):
+    if not _naturals(blocks):
         raise ProtocolError("field 'blocks' must hold non-negative ints")
-    if not shape or not all(isinstance(d, int) and d >= 0 for d in shape):
+    if not shape or not _naturals(shape):
         raise ProtocolError(f"field 'shape' must be non-negative ints, got {shape}")
     if shape[0] != len(blocks):
         raise ProtocolError(f"field 'shape' {shape} does not match {len(blocks)} blocks")
@@ -310,6 +310,12 @@ def _decode_layer(doc: dict[str, Any], rid: str, tag: bytes) -> Header:
         raise ProtocolError(f"field 'slot' must be -1 or a slot index, got {slot}")
     return Header(Kind.LAYER, rid=rid, layer=layer, blocks=blocks, shape=shape, dtype=dtype,
                   head_start=head_start, lease_s=_lease(doc), tag=tag, slot=slot)
+
+
+def _naturals(values: Sequence[Any]) -> bool:
+    """Every value a non-negative int. A bool is an int to `isinstance`, so a header naming
+    block `true` passed as block 1 before; exact types are checked here."""
+    return not values or (set(map(type, values)) == {int} and min(values) >= 0)
 
 
 def _lease(doc: dict[str, Any]) -> float:
