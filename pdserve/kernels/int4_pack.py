@@ -45,13 +45,14 @@ def w4a16_matmul_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
 
 def pack_block32(q: torch.Tensor) -> torch.Tensor:
     """uint8 [N, K] values in [0, 15] -> uint8 [ceil(N / 4), 2 K], the CPU kernel's layout
-    (kernels/cpu/int4_linear.cpp): blocks of 32 inputs, byte j of a block holding input j (low
-    nibble) and input j + 16 (high nibble), GGUF's Q4_0 / Q4_1 order; rows in quads, block b
-    of rows 4i..4i+3 side by side (a last partial quad padded with zero rows)."""
+    (kernels/cpu/int4_linear.cpp): blocks of 32 inputs, a row's byte j of a block holding
+    input j (low nibble) and input j + 16 (high nibble), GGUF's Q4_0 / Q4_1 order; rows in
+    quads (a last partial quad padded with zero rows), block b of rows 4i..4i+3 one 64-byte
+    unit with the rows' bytes interleaved: byte 4j + r of it is row 4i + r's byte j."""
     if q.dim() != 2 or q.shape[1] % 32:
         raise ValueError(f"expected [N, K] with K a multiple of 32, got {list(q.shape)}")
     n, k = q.shape
     q = torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, -n % 4))
     b = q.reshape(-1, 4, k // 32, 2, 16)
     blocks = b[:, :, :, 0] | (b[:, :, :, 1] << 4)          # [quads, 4, K / 32, 16]
-    return blocks.permute(0, 2, 1, 3).reshape(-1, 2 * k).contiguous()
+    return blocks.permute(0, 2, 3, 1).reshape(-1, 2 * k).contiguous()

@@ -3,14 +3,23 @@
 //
 //   w[n, k] = q[n, k] * scale[n, k / g] + offset[n, k / g]      q in [0, 15], g >= 16
 //
-// Layout: blocks of 32 inputs, 16 bytes each; byte j of a block holds input j in its low
-// nibble and input j + 16 in its high one (GGUF's Q4_0 / Q4_1 order). Rows go in quads: the
-// packed tensor is [ceil(N / 4), K / 32, 4, 16] bytes, block b of rows 4i..4i+3 side by side,
-// so the decode kernel, which walks four rows at once, reads one sequential stream (four
-// row-major streams measured 1.6x slower once the weights no longer fit in cache). scale
-// and offset are fp16 [N, K / g]. One AVX-512 load widens a block's 16 bytes to two vectors
-// of 16 inputs in natural order (AVX2: two loads of 8 bytes, four vectors of 8), so
-// activations are read as they are.
+// Layout: blocks of 32 inputs, 16 bytes a row; byte j of a row's block holds input j in its
+// low nibble and input j + 16 in its high one (GGUF's Q4_0 / Q4_1 order). Rows go in quads,
+// and block b of rows 4q..4q+3 is one 64-byte unit with the four rows' bytes interleaved:
+// byte 4j + r is row r's byte j. The packed tensor is [ceil(N / 4), K / 32, 16, 4] bytes
+// (`pack_block32` in kernels/int4_pack.py), so the decode kernel, which walks four rows at
+// once, reads one sequential stream (four row-major streams measured 1.6x slower once the
+// weights no longer fit in cache). scale and offset are fp16 [N, K / g].
+//
+// Why interleaved bytes: with AVX-512, lane j of the unit's 16 dwords then holds input j and
+// j + 16 of all four rows, so one load and shifts by 8r (and 8r + 4) put row r's nibbles in
+// the low bits of every lane, where vpermps reads its index, for 16 inputs in natural order.
+// Against a widening load per row (vpmovzxbd, then a shift) that is 7 shifts for 8 lookups
+// where it was 4 widenings and 4 shifts. The M = 1 GEMV is bound by these vector operations:
+// the default model's 120 GEMVs (bench/gemv_bound.py, one thread) took 5.8-5.9 ms where they
+// took 6.1-6.4 (docs/perf.md). AVX2 takes a row's bytes out with one in-lane byte shuffle
+// per 8 inputs, as many operations as its widening loads took. Activations are read as they
+// are.
 //
 // Why a kernel of our own: torch's `_weight_int4pack_mm_for_cpu` is fast only with bf16
 // activations, and bf16 activations are what separated W4A16 from the fp32 model on a Q4_1
@@ -61,10 +70,11 @@ constexpr int64_t kWideTileRows = 128;  // activation rows from which tiles grow
 constexpr int64_t kQuad = 4;         // rows interleaved block by block
 constexpr int64_t kBlockStride = kQuad * 16;  // bytes from one block of a row to its next
 
-// Block 0 of weight row `row`.
-inline const uint8_t* row_blocks(const uint8_t* packed, int64_t row, int64_t k) {
-  return packed + (row / kQuad) * (kQuad * k / 2) + (row % kQuad) * 16;
+// Block 0 of the quad that holds weight row `row` (the row is lane row % kQuad of it).
+inline const uint8_t* quad_blocks(const uint8_t* packed, int64_t row, int64_t k) {
+  return packed + (row / kQuad) * (kQuad * k / 2);
 }
+inline int quad_lane(int64_t row) { return static_cast<int>(row % kQuad); }
 
 inline float half_to_float(uint16_t h) {
 #if defined(PDSERVE_SIMD)
@@ -84,17 +94,19 @@ inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = half_to_float(h[i]);
 }
 
-// Scalar dequantisation of one block: out[0..31] = q * scale + offset, per group.
-[[maybe_unused]] inline void dequant_block_scalar(const uint8_t* p, const float* scale,
+// Scalar dequantisation of row `lane`'s part of one block: out[0..31] = q * scale + offset,
+// per group.
+[[maybe_unused]] inline void dequant_block_scalar(const uint8_t* p, int lane, const float* scale,
                                                   const float* offset, int64_t k0, int gshift,
                                                   float* out) {
   for (int j = 0; j < 16; ++j) {
+    const uint8_t b = p[kQuad * j + lane];
     const int64_t lo = k0 + j, hi = k0 + 16 + j;
     const float slo = scale[lo >> gshift], olo = offset[lo >> gshift];
     const float shi = scale[hi >> gshift], ohi = offset[hi >> gshift];
     // Two roundings, as the fp32 loader's q * d + m: the library builds with -ffp-contract=off.
-    out[j] = static_cast<float>(p[j] & 0xF) * slo + olo;
-    out[16 + j] = static_cast<float>(p[j] >> 4) * shi + ohi;
+    out[j] = static_cast<float>(b & 0xF) * slo + olo;
+    out[16 + j] = static_cast<float>(b >> 4) * shi + ohi;
   }
 }
 
@@ -113,10 +125,21 @@ using namespace pdserve_simd;  // NOLINT: the kernel's own vector vocabulary
 #if defined(PDSERVE_SIMD) && defined(__AVX512F__)
 constexpr int kVecs = 2;                  // vectors of 16 inputs per block
 constexpr int kVecOffset[kVecs] = {0, 16};
-PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, vec* q) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF)));
-  q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+// A unit's 16 dwords; lane j holds byte j of each of the quad's four rows.
+PDSERVE_ALWAYS_INLINE __m512i load_unit(const uint8_t* p) {
+  return _mm512_loadu_si512(p);
+}
+// Row `lane`'s low and high nibbles in the low 4 bits of every dword (higher bits: other rows').
+PDSERVE_ALWAYS_INLINE __m512i low_nibbles(__m512i v, int lane) {
+  return _mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * lane));
+}
+PDSERVE_ALWAYS_INLINE __m512i high_nibbles(__m512i v, int lane) {
+  return _mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * lane + 4));
+}
+PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, int lane, vec* q) {
+  const __m512i v = load_unit(p), mask = _mm512_set1_epi32(0xF);
+  q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(low_nibbles(v, lane), mask));
+  q[1] = _mm512_cvtepi32_ps(_mm512_and_si512(high_nibbles(v, lane), mask));
 }
 // The 16 values a block's nibbles stand for, t[q] = q * scale (+ offset): each rounded as the
 // arithmetic on the widened q would round it, so a lookup gives the same bits.
@@ -124,36 +147,40 @@ inline vec nibble_table(float scale) {
   return vmul(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
               vset1(scale));
 }
-// A block's two vectors through tables (one per vector: the groups of its 16 inputs).
-// vpermps reads only each lane's low 4 bits, so the low nibbles need no mask, and the lookup
-// replaces the conversion and the multiply: 5 vector operations a block where widen_block
-// and the scaling took 7, in the kernels that are bound by them (the M = 1 GEMV, the
-// dequantisation ahead of the panels).
-PDSERVE_ALWAYS_INLINE void lookup_block(const uint8_t* p, vec t0, vec t1, vec* q) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  q[0] = _mm512_permutexvar_ps(v, t0);
-  q[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t1);
+// Row `lane`'s two vectors of a unit `v` through tables (one per vector: the groups of its 16
+// inputs). vpermps reads only each lane's low 4 bits, so the nibbles need no mask, and the
+// lookup replaces the conversion and the multiply, in the kernels that are bound by them (the
+// M = 1 GEMV, the dequantisation ahead of the panels).
+PDSERVE_ALWAYS_INLINE void lookup_block(__m512i v, int lane, vec t0, vec t1, vec* q) {
+  q[0] = _mm512_permutexvar_ps(low_nibbles(v, lane), t0);
+  q[1] = _mm512_permutexvar_ps(high_nibbles(v, lane), t1);
 }
 #define PDSERVE_NIBBLE_TABLES 1
 #elif defined(PDSERVE_SIMD)
 constexpr int kVecs = 4;                  // vectors of 8 inputs per block
 constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
-PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, vec* q) {  // bytes 0-7: inputs 0-7, 16-23; 8-15: 8-15, 24-31
+// Row `lane`'s bytes 0-7 (inputs 0-7, 16-23), then 8-15 (8-15, 24-31): each half of the unit
+// through one in-lane byte shuffle that moves byte 4j + lane to the low byte of dword j.
+PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, int lane, vec* q) {
   const __m256i mask = _mm256_set1_epi32(0xF);
+  // Control bytes 4j + lane, then three 0x80s (zeros), per dword; indices are per 16 bytes.
+  const __m256i pick = _mm256_or_si256(
+      _mm256_set1_epi32(static_cast<int>(0x80808000u)),
+      _mm256_add_epi32(_mm256_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12), _mm256_set1_epi32(lane)));
   for (int half = 0; half < 2; ++half) {
-    const __m256i v = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * half)));
+    const __m256i v = _mm256_shuffle_epi8(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * half)), pick);
     q[2 * half] = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask));
     q[2 * half + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
 }
 #endif
 
-// One weight row (K / 32 blocks) dequantised to fp32: the prefill path and the tests' oracle.
-// q * scale, then + offset: the scalar and vector forms round alike. `buf` holds 2 * K / g
-// floats.
-void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset, int64_t k,
-                 int gshift, float* buf, float* out) {
+// One weight row (K / 32 blocks; lane `lane` of the quad at `p`) dequantised to fp32: the
+// prefill path and the tests' oracle. q * scale, then + offset: the scalar and vector forms
+// round alike. `buf` holds 2 * K / g floats.
+void dequant_row(const uint8_t* p, int lane, const uint16_t* scale, const uint16_t* offset,
+                 int64_t k, int gshift, float* buf, float* out) {
   const int64_t groups = k >> gshift;
   halves_to_floats(scale, groups, buf);
   halves_to_floats(offset, groups, buf + groups);
@@ -166,17 +193,17 @@ void dequant_row(const uint8_t* p, const uint16_t* scale, const uint16_t* offset
     const vec t0 = vadd(nibble_table(sc[g0]), vset1(of[g0]));
     const vec t1 = g1 == g0 ? t0 : vadd(nibble_table(sc[g1]), vset1(of[g1]));
     vec q[kVecs];
-    lookup_block(p, t0, t1, q);
+    lookup_block(load_unit(p), lane, t0, t1, q);
     for (int v = 0; v < kVecs; ++v) vstore(out + k0 + kVecOffset[v], q[v]);
 #elif defined(PDSERVE_SIMD)
     vec q[kVecs];
-    widen_block(p, q);
+    widen_block(p, lane, q);
     for (int v = 0; v < kVecs; ++v) {
       const int64_t g = (k0 + kVecOffset[v]) >> gshift;
       vstore(out + k0 + kVecOffset[v], vadd(vmul(q[v], vset1(sc[g])), vset1(of[g])));
     }
 #else
-    dequant_block_scalar(p, sc, of, k0, gshift, out + k0);
+    dequant_block_scalar(p, lane, sc, of, k0, gshift, out + k0);
 #endif
   }
 }
@@ -211,7 +238,7 @@ PDSERVE_ALWAYS_INLINE void block_fma(const vec* q, vec x0, vec x1, vec x2, vec x
 // Accumulator indices are compile-time constants throughout (a runtime index would keep the
 // accumulators on the stack, a store and reload per FMA).
 template <int R>
-inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
+inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float* offset,
                      const float* xsum, const float* x, int64_t k, int gshift, float* out) {
   const int64_t groups = k >> gshift;
   vec total[R][2];
@@ -222,12 +249,12 @@ inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
       _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
 #if defined(PDSERVE_NIBBLE_TABLES)
       const vec t = nibble_table(scale[gi]);
-      lookup_block(p, t, t, q);  // q * scale, once for all R
+      lookup_block(load_unit(p), lane, t, t, q);  // q * scale, once for all R
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v)
           total[r][v & 1] = vfma(q[v], vload(x + r * k + k0 + kVecOffset[v]), total[r][v & 1]);
 #else
-      widen_block(p, q);
+      widen_block(p, lane, q);
       const vec sv = vset1(scale[gi]);
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * k + k0;
@@ -241,7 +268,7 @@ inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
       vec acc[R][2];
       for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vzero();
       for (int64_t k0 = g0; k0 < g0 + g; k0 += kBlock, p += kBlockStride) {
-        widen_block(p, q);
+        widen_block(p, lane, q);
         for (int r = 0; r < R; ++r)
           for (int v = 0; v < kVecs; ++v)
             acc[r][v & 1] = vfma(q[v], vload(x + r * k + k0 + kVecOffset[v]), acc[r][v & 1]);
@@ -251,7 +278,7 @@ inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
     }
   } else {  // groups of 16: each vector lies in one group
     for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
-      widen_block(p, q);
+      widen_block(p, lane, q);
       for (int v = 0; v < kVecs; ++v) {
         const vec sv = vset1(scale[(k0 + kVecOffset[v]) >> 4]);
         for (int r = 0; r < R; ++r)
@@ -275,19 +302,21 @@ inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const
   vec total[kRows1][2];
   for (int i = 0; i < kRows1; ++i) total[i][0] = total[i][1] = vzero();
   vec q[kVecs];
-  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi) {
+  for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi, p += kBlockStride) {
     // The stream ahead: hardware prefetch alone left ~30% of DRAM bandwidth unused here.
-    _mm_prefetch(reinterpret_cast<const char*>(p + (k0 / kBlock) * kBlockStride + 2048),
-                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
     vec xv[kVecs];
     for (int v = 0; v < kVecs; ++v) xv[v] = vload(x + k0 + kVecOffset[v]);
+#if defined(PDSERVE_NIBBLE_TABLES)
+    const __m512i unit = load_unit(p);  // once for the four rows
+#endif
     for (int i = 0; i < kRows1; ++i) {
 #if defined(PDSERVE_NIBBLE_TABLES)
       const vec t = nibble_table(so[i * groups + gi]);
-      lookup_block(p + (k0 / kBlock) * kBlockStride + i * 16, t, t, q);
+      lookup_block(unit, i, t, t, q);
       for (int v = 0; v < kVecs; ++v) total[i][v & 1] = vfma(q[v], xv[v], total[i][v & 1]);
 #else
-      widen_block(p + (k0 / kBlock) * kBlockStride + i * 16, q);
+      widen_block(p, i, q);
       block_fma(q, xv[0], xv[1], xv[2], xv[3], vset1(so[i * groups + gi]), total[i]);
 #endif
     }
@@ -298,31 +327,33 @@ inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const
 }
 #else
 template <int R>
-inline void dot_tile(const uint8_t* p, const float* scale, const float* offset,
+inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float* offset,
                      const float* xsum, const float* x, int64_t k, int gshift, float* out) {
   const int64_t groups = k >> gshift;
   for (int r = 0; r < R; ++r) out[r] = offset_term(offset, xsum + r * groups, groups);
   for (int64_t k0 = 0; k0 < k; k0 += kBlock, p += kBlockStride) {
     for (int j = 0; j < 16; ++j) {
-      const float lo = static_cast<float>(p[j] & 0xF) * scale[(k0 + j) >> gshift];
-      const float hi = static_cast<float>(p[j] >> 4) * scale[(k0 + 16 + j) >> gshift];
+      const uint8_t b = p[kQuad * j + lane];
+      const float lo = static_cast<float>(b & 0xF) * scale[(k0 + j) >> gshift];
+      const float hi = static_cast<float>(b >> 4) * scale[(k0 + 16 + j) >> gshift];
       for (int r = 0; r < R; ++r) out[r] += lo * x[r * k + k0 + j] + hi * x[r * k + k0 + 16 + j];
     }
   }
 }
 #endif
 
-inline void dot_rows(int64_t rows, const uint8_t* p, const float* scale, const float* offset,
-                     const float* xsum, const float* x, int64_t k, int gshift, float* out) {
+inline void dot_rows(int64_t rows, const uint8_t* p, int lane, const float* scale,
+                     const float* offset, const float* xsum, const float* x, int64_t k,
+                     int gshift, float* out) {
   switch (rows) {
-    case 1: return dot_tile<1>(p, scale, offset, xsum, x, k, gshift, out);
-    case 2: return dot_tile<2>(p, scale, offset, xsum, x, k, gshift, out);
-    case 3: return dot_tile<3>(p, scale, offset, xsum, x, k, gshift, out);
-    case 4: return dot_tile<4>(p, scale, offset, xsum, x, k, gshift, out);
-    case 5: return dot_tile<5>(p, scale, offset, xsum, x, k, gshift, out);
-    case 6: return dot_tile<6>(p, scale, offset, xsum, x, k, gshift, out);
-    case 7: return dot_tile<7>(p, scale, offset, xsum, x, k, gshift, out);
-    default: return dot_tile<8>(p, scale, offset, xsum, x, k, gshift, out);
+    case 1: return dot_tile<1>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 2: return dot_tile<2>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 3: return dot_tile<3>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 4: return dot_tile<4>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 5: return dot_tile<5>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 6: return dot_tile<6>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    case 7: return dot_tile<7>(p, lane, scale, offset, xsum, x, k, gshift, out);
+    default: return dot_tile<8>(p, lane, scale, offset, xsum, x, k, gshift, out);
   }
 }
 
@@ -359,19 +390,19 @@ void gemv(const Int4Args& a) {
                        so.data() + kQuad * a.groups);
 #if defined(PDSERVE_SIMD)
       if (a.m == 1 && a.gshift == 5 && rows_here == kQuad) {
-        dot_rows_m1(row_blocks(a.packed, row0, a.k), so.data(), a.groups, xsum.data(), a.x,
+        dot_rows_m1(quad_blocks(a.packed, row0, a.k), so.data(), a.groups, xsum.data(), a.x,
                     a.k, out);
         for (int64_t i = 0; i < kQuad; ++i) a.y[row0 + i] = out[i];
         continue;
       }
 #endif
       for (int64_t i = 0; i < rows_here; ++i) {
-        const uint8_t* p = row_blocks(a.packed, row0 + i, a.k);
+        const uint8_t* p = quad_blocks(a.packed, row0, a.k);
         const float* sc = so.data() + i * a.groups;
         for (int64_t r0 = 0; r0 < a.m; r0 += kTile) {
           const int64_t rows = std::min(kTile, a.m - r0);
-          dot_rows(rows, p, sc, sc + kQuad * a.groups, xsum.data() + r0 * a.groups, a.x + r0 * a.k,
-                   a.k, a.gshift, out);
+          dot_rows(rows, p, quad_lane(i), sc, sc + kQuad * a.groups, xsum.data() + r0 * a.groups,
+                   a.x + r0 * a.k, a.k, a.gshift, out);
           for (int64_t r = 0; r < rows; ++r) a.y[(r0 + r) * a.n + row0 + i] = out[r];
         }
       }
@@ -389,8 +420,9 @@ void gemm_panels(const Int4Args& a) {
   panel_gemm::matmul(a.x, a.m, a.n, a.k, a.y, [&](int64_t r0, int64_t rows, float* out) {
     std::vector<float> buf(2 * a.groups);
     for (int64_t r = 0; r < rows; ++r)
-      dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
-                  a.offset + (r0 + r) * a.groups, a.k, a.gshift, buf.data(), out + r * a.k);
+      dequant_row(quad_blocks(a.packed, r0 + r, a.k), quad_lane(r0 + r),
+                  a.scale + (r0 + r) * a.groups, a.offset + (r0 + r) * a.groups, a.k, a.gshift,
+                  buf.data(), out + r * a.k);
   });
 }
 #endif
@@ -418,8 +450,9 @@ void gemm(const Int4Args& a, const at::Tensor& x, at::Tensor& y) {
       const int64_t r0 = t * tile, rows = std::min(tile, a.n - r0);
       float* wp = w.data_ptr<float>();
       for (int64_t r = 0; r < rows; ++r)
-        dequant_row(row_blocks(a.packed, r0 + r, a.k), a.scale + (r0 + r) * a.groups,
-                    a.offset + (r0 + r) * a.groups, a.k, a.gshift, buf.data(), wp + r * a.k);
+        dequant_row(quad_blocks(a.packed, r0 + r, a.k), quad_lane(r0 + r),
+                    a.scale + (r0 + r) * a.groups, a.offset + (r0 + r) * a.groups, a.k,
+                    a.gshift, buf.data(), wp + r * a.k);
       at::Tensor cols = y.narrow(1, r0, rows);
       at::mm_out(cols, x, w.narrow(0, 0, rows).t());
     }
@@ -435,8 +468,8 @@ at::Tensor gemm_onednn(const Int4Args& a, const at::Tensor& x) {
   at::parallel_for(0, a.n, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(2 * a.groups);
     for (int64_t r = begin; r < end; ++r)
-      dequant_row(row_blocks(a.packed, r, a.k), a.scale + r * a.groups, a.offset + r * a.groups,
-                  a.k, a.gshift, buf.data(), wp + r * a.k);
+      dequant_row(quad_blocks(a.packed, r, a.k), quad_lane(r), a.scale + r * a.groups,
+                  a.offset + r * a.groups, a.k, a.gshift, buf.data(), wp + r * a.k);
   });
   return pdserve_onednn::product(x, w, std::nullopt);
 }
@@ -533,8 +566,8 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale,
   const int gshift = log2_exact(group);
   std::vector<float> buf(2 * (k / group));
   for (int64_t r = 0; r < n; ++r)
-    dequant_row(row_blocks(pc.data_ptr<uint8_t>(), r, k), s + r * (k / group), o + r * (k / group),
-                k, gshift, buf.data(), w.data_ptr<float>() + r * k);
+    dequant_row(quad_blocks(pc.data_ptr<uint8_t>(), r, k), quad_lane(r), s + r * (k / group),
+                o + r * (k / group), k, gshift, buf.data(), w.data_ptr<float>() + r * k);
   return w;
 }
 
