@@ -147,6 +147,12 @@ inline vec nibble_table(float scale) {
   return vmul(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
               vset1(scale));
 }
+// The 16 weights a group's nibbles stand for, q * scale + offset with the fp32 loader's two
+// roundings: the same bits as dequant_row's, so a GEMV through it multiplies the model's
+// fp32 weights exactly, and no offsets' term is left to add.
+inline vec weight_table(float scale, float offset) {
+  return vadd(nibble_table(scale), vset1(offset));
+}
 // Row `lane`'s two vectors of a unit `v` through tables (one per vector: the groups of its 16
 // inputs). vpermps reads only each lane's low 4 bits, so the nibbles need no mask, and the
 // lookup replaces the conversion and the multiply, in the kernels that are bound by them (the
@@ -156,7 +162,9 @@ PDSERVE_ALWAYS_INLINE void lookup_block(__m512i v, int lane, vec t0, vec t1, vec
   q[1] = _mm512_permutexvar_ps(high_nibbles(v, lane), t1);
 }
 #define PDSERVE_NIBBLE_TABLES 1
+constexpr bool kWeightTables = true;  // groups of 32 look up q * scale + offset
 #elif defined(PDSERVE_SIMD)
+constexpr bool kWeightTables = false;
 constexpr int kVecs = 4;                  // vectors of 8 inputs per block
 constexpr int kVecOffset[kVecs] = {0, 16, 8, 24};
 // Row `lane`'s bytes 0-7 (inputs 0-7, 16-23), then 8-15 (8-15, 24-31): each half of the unit
@@ -174,6 +182,8 @@ PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, int lane, vec* q) {
     q[2 * half + 1] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
   }
 }
+#else
+constexpr bool kWeightTables = false;
 #endif
 
 // One weight row (K / 32 blocks; lane `lane` of the quad at `p`) dequantised to fp32: the
@@ -190,8 +200,8 @@ void dequant_row(const uint8_t* p, int lane, const uint16_t* scale, const uint16
 #if defined(PDSERVE_NIBBLE_TABLES)
     // Inputs k0.. and k0 + 16..: one group unless groups are 16 wide.
     const int64_t g0 = k0 >> gshift, g1 = (k0 + 16) >> gshift;
-    const vec t0 = vadd(nibble_table(sc[g0]), vset1(of[g0]));
-    const vec t1 = g1 == g0 ? t0 : vadd(nibble_table(sc[g1]), vset1(of[g1]));
+    const vec t0 = weight_table(sc[g0], of[g0]);
+    const vec t1 = g1 == g0 ? t0 : weight_table(sc[g1], of[g1]);
     vec q[kVecs];
     lookup_block(load_unit(p), lane, t0, t1, q);
     for (int v = 0; v < kVecs; ++v) vstore(out + k0 + kVecOffset[v], q[v]);
@@ -244,12 +254,14 @@ inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float
   vec total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = vzero();
   vec q[kVecs];
+  bool offsets_in_sum = true;  // whether the offsets' term is still to add
   if (gshift == 5) {  // one group per block (GGUF's Q4_0 / Q4_1): even blocks, odd blocks
     for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi, p += kBlockStride) {
       _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
 #if defined(PDSERVE_NIBBLE_TABLES)
-      const vec t = nibble_table(scale[gi]);
-      lookup_block(load_unit(p), lane, t, t, q);  // q * scale, once for all R
+      offsets_in_sum = false;
+      const vec t = weight_table(scale[gi], offset[gi]);
+      lookup_block(load_unit(p), lane, t, t, q);  // the weights, once for all R
       for (int r = 0; r < R; ++r)
         for (int v = 0; v < kVecs; ++v)
           total[r][v & 1] = vfma(q[v], vload(x + r * k + k0 + kVecOffset[v]), total[r][v & 1]);
@@ -288,7 +300,8 @@ inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float
     }
   }
   for (int r = 0; r < R; ++r)
-    out[r] = vsum(vadd(total[r][0], total[r][1])) + offset_term(offset, xsum + r * groups, groups);
+    out[r] = vsum(vadd(total[r][0], total[r][1])) +
+             (offsets_in_sum ? offset_term(offset, xsum + r * groups, groups) : 0.f);
 }
 
 // M = 1, groups of 32: four weight rows at once, so the rows' FMA chains overlap and each
@@ -312,7 +325,7 @@ inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const
 #endif
     for (int i = 0; i < kRows1; ++i) {
 #if defined(PDSERVE_NIBBLE_TABLES)
-      const vec t = nibble_table(so[i * groups + gi]);
+      const vec t = weight_table(so[i * groups + gi], so[(kQuad + i) * groups + gi]);
       lookup_block(unit, i, t, t, q);
       for (int v = 0; v < kVecs; ++v) total[i][v & 1] = vfma(q[v], xv[v], total[i][v & 1]);
 #else
@@ -321,9 +334,14 @@ inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const
 #endif
     }
   }
-  for (int i = 0; i < kRows1; ++i)
+  for (int i = 0; i < kRows1; ++i) {
+#if defined(PDSERVE_NIBBLE_TABLES)
+    out[i] = vsum(vadd(total[i][0], total[i][1]));
+#else
     out[i] = vsum(vadd(total[i][0], total[i][1])) +
              offset_term(so + (kQuad + i) * groups, xsum, groups);
+#endif
+  }
 }
 #else
 template <int R>
@@ -368,10 +386,12 @@ struct Int4Args {
 };
 
 void gemv(const Int4Args& a) {
-  // X[r, g]: each activation row's group sums, for the offsets' term.
+  // X[r, g]: each activation row's group sums, for the offsets' term (none where the weight
+  // tables carry the offsets).
   std::vector<float> xsum(a.m * a.groups);
   const int64_t g = a.k / a.groups;
-  for (int64_t r = 0; r < a.m; ++r)
+  const bool tables = kWeightTables && a.gshift == 5;
+  for (int64_t r = 0; r < (tables ? 0 : a.m); ++r)
     for (int64_t gi = 0; gi < a.groups; ++gi) {
       float s = 0.f;
       for (int64_t j = 0; j < g; ++j) s += a.x[r * a.k + gi * g + j];
