@@ -110,7 +110,8 @@ inline void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
   }
 }
 
-// The decode kernels take each group's offset out of the sum:
+// The decode kernels, except the AVX-512 ones on groups of 32 (which look the weights up
+// whole: weight_table below), take each group's offset out of the sum:
 //
 //   sum_k w[n, k] x[k] = sum_k (q[n, k] scale[n, g(k)]) x[k] + sum_g offset[n, g] X[g]
 //
