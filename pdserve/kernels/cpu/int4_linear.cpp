@@ -186,6 +186,9 @@ PDSERVE_ALWAYS_INLINE void widen_block(const uint8_t* p, int lane, vec* q) {
 #else
 constexpr bool kWeightTables = false;
 #endif
+// Whether the decode kernels look a group's weights up whole (no offsets' term, no group sums
+// of x): AVX-512 on groups of 32.
+constexpr bool weight_tables(int gshift) { return kWeightTables && gshift == 5; }
 
 // One weight row (K / 32 blocks; lane `lane` of the quad at `p`) dequantised to fp32: the
 // prefill path and the tests' oracle. q * scale, then + offset: the scalar and vector forms
@@ -255,12 +258,10 @@ inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float
   vec total[R][2];
   for (int r = 0; r < R; ++r) total[r][0] = total[r][1] = vzero();
   vec q[kVecs];
-  bool offsets_in_sum = true;  // whether the offsets' term is still to add
   if (gshift == 5) {  // one group per block (GGUF's Q4_0 / Q4_1): even blocks, odd blocks
     for (int64_t k0 = 0, gi = 0; k0 < k; k0 += kBlock, ++gi, p += kBlockStride) {
       _mm_prefetch(reinterpret_cast<const char*>(p + 2048), _MM_HINT_T0);
 #if defined(PDSERVE_NIBBLE_TABLES)
-      offsets_in_sum = false;
       const vec t = weight_table(scale[gi], offset[gi]);
       lookup_block(load_unit(p), lane, t, t, q);  // the weights, once for all R
       for (int r = 0; r < R; ++r)
@@ -302,7 +303,7 @@ inline void dot_tile(const uint8_t* p, int lane, const float* scale, const float
   }
   for (int r = 0; r < R; ++r)
     out[r] = vsum(vadd(total[r][0], total[r][1])) +
-             (offsets_in_sum ? offset_term(offset, xsum + r * groups, groups) : 0.f);
+             (weight_tables(gshift) ? 0.f : offset_term(offset, xsum + r * groups, groups));
 }
 
 // M = 1, groups of 32: four weight rows at once, so the rows' FMA chains overlap and each
@@ -335,14 +336,9 @@ inline void dot_rows_m1(const uint8_t* p, const float* so, int64_t groups, const
 #endif
     }
   }
-  for (int i = 0; i < kRows1; ++i) {
-#if defined(PDSERVE_NIBBLE_TABLES)
-    out[i] = vsum(vadd(total[i][0], total[i][1]));
-#else
+  for (int i = 0; i < kRows1; ++i)
     out[i] = vsum(vadd(total[i][0], total[i][1])) +
-             offset_term(so + (kQuad + i) * groups, xsum, groups);
-#endif
-  }
+             (weight_tables(5) ? 0.f : offset_term(so + (kQuad + i) * groups, xsum, groups));
 }
 #else
 template <int R>
@@ -389,10 +385,10 @@ struct Int4Args {
 void gemv(const Int4Args& a) {
   // X[r, g]: each activation row's group sums, for the offsets' term (none where the weight
   // tables carry the offsets).
-  std::vector<float> xsum(a.m * a.groups);
+  const bool sums = !weight_tables(a.gshift);
+  std::vector<float> xsum(sums ? a.m * a.groups : 0);
   const int64_t g = a.k / a.groups;
-  const bool tables = kWeightTables && a.gshift == 5;
-  for (int64_t r = 0; r < (tables ? 0 : a.m); ++r)
+  for (int64_t r = 0; sums && r < a.m; ++r)
     for (int64_t gi = 0; gi < a.groups; ++gi) {
       float s = 0.f;
       for (int64_t j = 0; j < g; ++j) s += a.x[r * a.k + gi * g + j];
