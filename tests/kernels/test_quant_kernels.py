@@ -2,7 +2,8 @@
 `int8_linear` (the LM head's 8-bit copy) and `int4_linear` (W4A16 on the CPU). Every build
 this machine can run (AVX-512, AVX2, plain C++) gives the same products, for row counts
 around the tiles and widths around the vectors. A row's result does not depend on the other
-rows, bitwise: for the int8 head at any M, for int4 within M <= 16 and within 17..127."""
+rows, bitwise: for the int8 head at any M, for int4 within the GEMV's rows and within the
+panels' (tests/helpers/int4_rows.py)."""
 
 from __future__ import annotations
 
@@ -46,11 +47,12 @@ def _check(ops) -> None:
 # (rows of x, rows of w, inputs, group): one, two, three blocks per group and groups of 16;
 # row counts that leave partial quads of weight rows and partial tiles of 8 activation rows;
 # M = 1 (four weight rows at once), the GEMV's rows, the panel kernel's narrow and wide
-# panels, and 128 (dequantise, at::mm).
+# panels (to 383 rows: a short prompt too), and 384 (dequantise, then oneDNN or at::mm).
 INT4_SHAPES = [(1, 64, 576, 32), (1, 37, 96, 32), (3, 50, 128, 16), (9, 10, 256, 128),
                (16, 33, 1536, 64), (20, 70, 64, 64), (1, 6, 64, 16), (2, 5, 96, 32),
                (6, 21, 128, 32), (13, 40, 192, 32),
-               (32, 97, 576, 32), (45, 13, 288, 32), (127, 50, 160, 16), (128, 7, 64, 32)]
+               (32, 97, 576, 32), (45, 13, 288, 32), (127, 50, 160, 16), (128, 7, 64, 32),
+               (384, 7, 64, 32)]
 
 
 def _int4_case(m: int, n: int, k: int, group: int, seed: int = 0):
@@ -84,10 +86,11 @@ def _check_int4(ops, isa: str) -> None:
             alone = torch.cat([ops.int4_linear(x[i:i + 1], packed, scale, offset, group)
                                for i in range(m)])
             assert torch.equal(got, alone)
-        elif m <= LAST_PANEL_ROW:
+        elif m <= LAST_PANEL_ROW[isa]:
             # The same rows in a batch of another size (another panel shape or number of
             # panels, padding).
-            more = torch.randn(LAST_PANEL_ROW - m, k, generator=torch.Generator().manual_seed(1))
+            more = torch.randn(LAST_PANEL_ROW[isa] - m, k,
+                               generator=torch.Generator().manual_seed(1))
             other = torch.cat([x, more]) if m < 64 else x[:17]
             part = ops.int4_linear(other, packed, scale, offset, group)
             rows = min(m, other.shape[0])

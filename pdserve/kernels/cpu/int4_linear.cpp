@@ -30,11 +30,11 @@
 // tile of up to 8 activation rows (four weight rows at once when M = 1), with software
 // prefetch of the stream ahead; rows are split over torch's thread pool. Larger M: each task
 // dequantises a tile of weight rows into a scratch matrix (q * scale, then + offset, two
-// roundings as the fp32 loader does). Decode batches up to 127 rows multiply it with the
-// register-blocked panel kernel (panel_gemm.h); prefill (128+) with at::mm on tiles of
-// 64-512 rows (two tasks a thread), writing y in place, so prefill runs at GEMM speed. At
-// M = 8 the fp32 FMAs are the bound (torch's bf16 dot products do twice the work per
-// instruction there).
+// roundings as the fp32 loader does). Decode batches and prompts below 384 rows multiply it
+// with the register-blocked panel kernel (panel_gemm.h); longer prefills dequantise the whole
+// weight for one oneDNN product, or without oneDNN use at::mm on tiles of 64-512 rows (two
+// tasks a thread), writing y in place, so prefill runs at GEMM speed. At M = 8 the fp32 FMAs
+// are the bound (torch's bf16 dot products do twice the work per instruction there).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -516,7 +516,7 @@ void check_args(const at::Tensor& x, const at::Tensor& packed, const at::Tensor&
 
 // y = x @ w^T. `rowwise`: every row through one kernel whatever M, so a row's result is the
 // same bits in a batch of any size, where the default switches kernels (and so rounding)
-// past kGemvMaxRows and at 128 rows: the engine's batch-invariant mode. That kernel is the
+// past kGemvMaxRows and at panel_gemm::kMaxRows: the engine's batch-invariant mode. That kernel is the
 // panel kernel where the build has it (one FMA chain per output, in either panel shape; near
 // at::mm's speed at prefill sizes, but at batch 1 it computes a whole narrow panel: ~5x the
 // GEMV in these matmuls), else the GEMV, whose rows are independent too.

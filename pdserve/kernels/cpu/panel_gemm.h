@@ -1,7 +1,8 @@
 // y = x @ w^T for fp32 x [M, K] and a quantised w [N, K] dequantised a tile of rows at a
-// time: int4_linear.cpp's matmul for decode batches past its GEMV's rows and below kMaxRows,
-// where at::mm on small tiles is mostly call overhead and the GEMV is bound by loading an
-// activation vector per FMA (and a reduction per output).
+// time: int4_linear.cpp's matmul for decode batches past its GEMV's rows and for short
+// prefills, below kMaxRows, where at::mm on small tiles is mostly call overhead, the GEMV is
+// bound by loading an activation vector per FMA (and a reduction per output), and a whole
+// dequantised weight costs its round trip through memory.
 //
 // x is transposed once per call into panels of W rows (xt[kk][j] = x[j][kk]). Each task
 // dequantises kTile weight rows into an fp32 scratch; the micro-kernel then broadcasts one
@@ -38,7 +39,11 @@ using Narrow = Shape<1, 12>;  // 12 accumulators + 1 + 1
 
 constexpr int64_t kTile = 48;       // weight rows dequantised per task (both shapes' R divide it)
 constexpr int64_t kChunk = 128;     // inputs per pass over a panel
-constexpr int64_t kMaxRows = 128;   // from here at::mm on wide tiles is faster
+// From here the whole weight dequantised once and a oneDNN product (int4_linear.cpp) are
+// faster. Below it the panels win because they never write the fp32 weight out: a 128-token
+// prefill of the default model took 0.86x the time through them, 256 tokens 0.96x, 384 1.01x
+// and 512 1.04x (docs/perf.md).
+constexpr int64_t kMaxRows = 384;
 
 // c[i][j] += sum_k w[i][k] xt[k][j] over one chunk of k: w is R rows `ldw` floats apart, xt
 // k rows of W, c R rows of W. Chunks go in order of k and each starts from the last one's sums.
@@ -61,6 +66,40 @@ inline void micro_kernel(const float* w, int64_t ldw, const float* xt, int64_t k
   }
   for (int i = 0; i < R; ++i)
     for (int v = 0; v < V; ++v) vstore(c + i * W + v * kLanes, acc[i][v]);
+}
+
+// y[j][i] = c[i][j] for i < rows, j < cols: c is `ldc` floats a row, y `ldy`. 8 x 8 blocks go
+// through registers (the scalar copy took ~8% of a 128-row product at K = 576), the edges
+// one float at a time.
+inline void transpose8(const float* c, int64_t ldc, float* y, int64_t ldy) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(c + i * ldc);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4)
+    for (int h = 0; h < 2; ++h) {
+      r[i + h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      r[i + h + 2] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+  // r[q]: column kOrder[q] of rows 0-3 in its low half, column kOrder[q] + 4 in its high
+  // half; r[q + 4] the same of rows 4-7. Column j of c is row j of y.
+  constexpr int kOrder[4] = {0, 2, 1, 3};
+  for (int q = 0; q < 4; ++q) {
+    const int j = kOrder[q];
+    _mm256_storeu_ps(y + j * ldy, _mm256_permute2f128_ps(r[q], r[q + 4], 0x20));
+    _mm256_storeu_ps(y + (j + 4) * ldy, _mm256_permute2f128_ps(r[q], r[q + 4], 0x31));
+  }
+}
+
+inline void store_transposed(const float* c, int64_t ldc, int64_t rows, int64_t cols, float* y,
+                             int64_t ldy) {
+  const int64_t rows8 = rows / 8 * 8, cols8 = cols / 8 * 8;
+  for (int64_t i = 0; i < rows8; i += 8)
+    for (int64_t j = 0; j < cols8; j += 8) transpose8(c + i * ldc + j, ldc, y + j * ldy + i, ldy);
+  for (int64_t j = 0; j < cols; ++j)
+    for (int64_t i = j < cols8 ? rows8 : 0; i < rows; ++i) y[j * ldy + i] = c[i * ldc + j];
 }
 
 // xt[p][kk][j] = x[p * W + j][kk], zero past the last row. Split over k between the threads:
@@ -110,9 +149,7 @@ void matmul_as(const float* x, int64_t m, int64_t n, int64_t k, float* y,
           for (int64_t i0 = 0; i0 < rows; i0 += R)
             micro_kernel<S>(w + i0 * k + k0, k, xp + k0 * W, kn, k0 == 0, c + i0 * W);
         }
-        const int64_t xrows = std::min(W, m - p * W);
-        for (int64_t j = 0; j < xrows; ++j)
-          for (int64_t i = 0; i < rows; ++i) y[(p * W + j) * n + r0 + i] = c[i * W + j];
+        store_transposed(c, W, rows, std::min(W, m - p * W), y + p * W * n + r0, n);
       }
     }
   });
