@@ -15,7 +15,11 @@ import pytest
 import torch
 
 from pdserve.engine.attention.backend import get_backend, resolve_backend_name
-from pdserve.engine.attention.cpu_backend import CpuPagedAttention
+from pdserve.engine.attention.cpu_backend import (
+    MAX_KERNEL_PAIRS,
+    CpuPagedAttention,
+    kernel_segment,
+)
 from pdserve.engine.attention.torch_ref import TorchAttention
 from pdserve.kernels import cpu as cpu_kernels
 from tests.kernels.cases import make_case, with_packed_fp8_cache
@@ -42,7 +46,8 @@ def _both(backend, case, window):
 @pytest.mark.parametrize("q_lens,ctx_lens,window", [
     ([1, 1, 1], [1, 9, 38], None),       # decode, contexts within and across blocks
     ([1, 4, 1], [30, 12, 7], None),      # a speculative-verify row among decode rows
-    ([1, 20, 3], [17, 20, 25], None),    # a fresh prefill (reference path) beside the kernel
+    ([1, 20, 3], [17, 20, 25], None),    # a short fresh prompt: the kernel's too
+    ([1, 260, 3], [17, 260, 25], None),  # a long one (reference path) beside the kernel
     ([1, 3, 1], [40, 19, 6], 5),         # sliding window
 ])
 def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
@@ -50,6 +55,19 @@ def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
     (cache_k, out_k), (cache_r, out_r) = _both(backend, case, window)
     assert torch.equal(cache_k, cache_r)
     torch.testing.assert_close(out_k, out_r, atol=ATOL[torch.float32], rtol=0)
+
+
+def test_short_prompts_go_to_the_kernel_long_ones_to_sdpa(backend):
+    # Decode and speculative rows at any context; prompt chunks while query x context stays
+    # within MAX_KERNEL_PAIRS (a fresh 256-token prompt), so a step of short prompts runs the
+    # C++ decode loop; a long prompt, or a chunk over a long cached context, SDPA.
+    assert kernel_segment(1, 100_000) and kernel_segment(16, 100_000)
+    assert kernel_segment(256, 256) and not kernel_segment(257, 257)
+    assert not kernel_segment(128, 1024)
+    assert MAX_KERNEL_PAIRS == 256 * 256
+    case = make_case([1, 40, 300, 5], [500, 40, 300, 90], heads=6, kv_heads=2, seed=6)
+    plan = backend.prepare(case.meta).backend_plan
+    assert plan.kernel_seqs.tolist() == [0, 1, 3] and plan.reference_seqs == (2,)
 
 
 def test_write_kv_takes_slices_of_a_fused_projection(backend):
