@@ -47,7 +47,7 @@ def _both(backend, case, window):
     ([1, 1, 1], [1, 9, 38], None),       # decode, contexts within and across blocks
     ([1, 4, 1], [30, 12, 7], None),      # a speculative-verify row among decode rows
     ([1, 20, 3], [17, 20, 25], None),    # a short fresh prompt: the kernel's too
-    ([1, 260, 3], [17, 260, 25], None),  # a long one (reference path) beside the kernel
+    ([1, 520, 3], [17, 520, 25], None),  # a long one (reference path) beside the kernel
     ([1, 3, 1], [40, 19, 6], 5),         # sliding window
 ])
 def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
@@ -59,13 +59,13 @@ def test_kernel_attends_like_the_reference(backend, q_lens, ctx_lens, window):
 
 def test_short_prompts_go_to_the_kernel_long_ones_to_sdpa(backend):
     # Decode and speculative rows at any context; prompt chunks while query x context stays
-    # within MAX_KERNEL_PAIRS (a fresh 256-token prompt), so a step of short prompts runs the
+    # within MAX_KERNEL_PAIRS (a fresh 512-token prompt), so a step of short prompts runs the
     # C++ decode loop; a long prompt, or a chunk over a long cached context, SDPA.
     assert kernel_segment(1, 100_000) and kernel_segment(16, 100_000)
-    assert kernel_segment(256, 256) and not kernel_segment(257, 257)
-    assert not kernel_segment(128, 1024)
-    assert MAX_KERNEL_PAIRS == 256 * 256
-    case = make_case([1, 40, 300, 5], [500, 40, 300, 90], heads=6, kv_heads=2, seed=6)
+    assert kernel_segment(512, 512) and not kernel_segment(513, 513)
+    assert not kernel_segment(256, 2048)
+    assert MAX_KERNEL_PAIRS == 512 * 512
+    case = make_case([1, 40, 600, 5], [900, 40, 600, 90], heads=6, kv_heads=2, seed=6)
     plan = backend.prepare(case.meta).backend_plan
     assert plan.kernel_seqs.tolist() == [0, 1, 3] and plan.reference_seqs == (2,)
 

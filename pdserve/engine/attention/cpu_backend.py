@@ -9,9 +9,11 @@ by every query token and SDPA's blocked matmuls win. The packed FP8 KV cache is 
 the kernel: an FP8 cache runs the reference, whole (`TorchAttention`).
 
 Why short prompts go to the kernel: a step whose every row is the kernel's runs the C++
-decode loop (`engine/flat_decode.py`), without the modules' Python. On the default model a
-prompt of 32-256 tokens prefilled in 0.83-0.97x the time that way (docs/perf.md); at 512
-tokens the kernel's unblocked attention made it 1.04x, at 1024 1.36x.
+decode loop (`engine/flat_decode.py`), without the modules' Python, and the kernel splits a
+prompt's rows over the threads and reads each run's keys only up to its last token (the causal
+half is skipped). On the default model a prompt of 32-512 tokens prefilled in 0.83-0.95x the
+time that way (docs/perf.md); at 1024 tokens the kernel's unblocked attention made it 1.06x,
+at 2048 1.47x.
 
 Which rows go where is decided once per step in `prepare` (not once per layer).
 """
@@ -29,9 +31,9 @@ from pdserve.kernels.cpu import load_ops
 
 MAX_KERNEL_QUERY = 16
 """Query segments up to this many tokens go to the kernel whatever their context."""
-MAX_KERNEL_PAIRS = 256 * 256
+MAX_KERNEL_PAIRS = 512 * 512
 """Longer segments go to the kernel while query tokens x context tokens stay within this (a
-fresh 256-token prompt); the rest run SDPA over a gather."""
+fresh 512-token prompt); the rest run SDPA over a gather."""
 
 
 def kernel_segment(query_len: int, context_len: int) -> bool:

@@ -11,9 +11,11 @@
 // transposing horizontal add), V accumulated in registers 64 dims at a time, and the next
 // blocks of the table prefetched while one is computed (blocks are scattered, so the hardware
 // prefetcher would restart at every 4 KiB block). Anything else runs the portable
-// `attend_pair`. Pairs are handed to the threads of torch's pool (at::parallel_for, so
-// torch.set_num_threads governs it) in contiguous runs of equal cost (context x query rows),
-// not of equal count: a ragged batch's long requests would otherwise sit on one thread.
+// `attend_pair`. Pairs (or runs of a pair's rows, for a costly pair) are handed to the threads
+// of torch's pool (at::parallel_for, so torch.set_num_threads governs it) in contiguous runs
+// of equal cost (query rows x the keys they see), not of equal count: a ragged batch's long
+// requests would otherwise sit on one thread. A run of rows reads keys only up to its last
+// query token, so a prompt's causal half is not computed.
 //
 // Registered as torch ops (pdserve_cpu::paged_attention, pdserve_cpu::write_kv) so they can
 // be called from Python and traced by torch.compile.
@@ -82,13 +84,14 @@ struct Shape {
   int64_t heads, kv_heads, group, head_dim, block_size, max_blocks;
 };
 
-// Softmax in place over each query row's visible keys (row r = query r / g sees keys
-// [low, hi], hi = first_hi + r / g); the other keys of the row get probability 0. Rows are
-// `span` scores long, covering keys [lo, lo + span). total[r]: the row's sum of exps.
-inline void softmax_rows(float* scores, float* total, int64_t rows, int64_t g, int64_t span,
-                         int64_t lo, int64_t first_hi, int64_t window) {
+// Softmax in place over each query row's visible keys (row r0 + r of the pair = query
+// (r0 + r) / g sees keys [low, hi], hi = first_hi + (r0 + r) / g); the other keys of the row
+// get probability 0. Rows are `span` scores long, covering keys [lo, lo + span). total[r]:
+// the row's sum of exps.
+inline void softmax_rows(float* scores, float* total, int64_t r0, int64_t rows, int64_t g,
+                         int64_t span, int64_t lo, int64_t first_hi, int64_t window) {
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hi = first_hi + r / g;
+    const int64_t hi = first_hi + (r0 + r) / g;
     const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
     float* sc = scores + r * span - lo;  // indexed by absolute key position
     float m = -std::numeric_limits<float>::infinity();
@@ -106,47 +109,56 @@ inline void softmax_rows(float* scores, float* total, int64_t rows, int64_t g, i
   }
 }
 
-// One (request, KV head) pair: `qlen` query tokens starting at row `q0` of q/out; query j
-// sees keys [lo_j, hi_j] with hi_j = ctx - qlen + j and lo_j = hi_j - window + 1 (or 0).
+// Rows [r0, r1) of one (request, KV head) pair: the pair's `qlen` query tokens start at row
+// `q0` of q/out, and its row r is query head r % g of token r / g, which sees keys
+// [lo_j, hi_j] with hi_j = ctx - qlen + j and lo_j = hi_j - window + 1 (or 0). Rows are
+// computed independently (the same operations whichever rows a call takes), so a pair split
+// over threads gives the same bits; a call reads keys only up to its last row's hi_j.
 // D > 0 fixes head_dim at compile time (unrolled, vectorised rows); D == 0 reads s.head_dim.
+struct Rows {
+  int64_t first_hi, lo, end, span;  // keys [lo, end) are read; end - lo = span
+};
+inline Rows rows_keys(int64_t ctx, int64_t qlen, int64_t g, int64_t r0, int64_t r1,
+                      int64_t window) {
+  const int64_t first_hi = ctx - qlen;
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_hi + r0 / g - window + 1) : 0;
+  const int64_t end = first_hi + (r1 - 1) / g + 1;
+  return Rows{first_hi, lo, end, end - lo};
+}
+
 template <typename T, int64_t D>
 void attend_pair(const T* q, T* out, const T* cache, const int64_t* table, int64_t q0,
-                 int64_t qlen, int64_t ctx, int64_t kvh, const Shape& s, float scale,
-                 int64_t window) {
-  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = qlen * g;
-  const int64_t first_hi = ctx - qlen;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_hi - window + 1) : 0;
-  const int64_t span = ctx - lo;
+                 int64_t qlen, int64_t ctx, int64_t kvh, int64_t r0, int64_t r1, const Shape& s,
+                 float scale, int64_t window) {
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = r1 - r0;
+  const auto [first_hi, lo, end, span] = rows_keys(ctx, qlen, g, r0, r1, window);
   std::vector<float> qf(rows * d), acc(rows * d, 0.f), scores(rows * span, 0.f), row(d);
-  for (int64_t j = 0; j < qlen; ++j)
-    for (int64_t k = 0; k < g; ++k) {
-      const T* src = q + ((q0 + j) * s.heads + kvh * g + k) * d;
-      float* dst = qf.data() + (j * g + k) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
-    }
+  for (int64_t r = r0; r < r1; ++r) {
+    const T* src = q + ((q0 + r / g) * s.heads + kvh * g + r % g) * d;
+    float* dst = qf.data() + (r - r0) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+  }
   const int64_t head_rows = s.block_size * d;  // one head's slice of one block
   auto kv_row = [&](int64_t t, int64_t which) {
     const int64_t block = table[t / s.block_size];
     return cache + ((block * 2 + which) * s.kv_heads + kvh) * head_rows +
            (t % s.block_size) * d;
   };
-  for (int64_t t = lo; t < ctx; ++t) {
+  for (int64_t t = lo; t < end; ++t) {
     const float* k = as_float_row(kv_row(t, 0), row.data(), d);
     for (int64_t r = 0; r < rows; ++r) scores[r * span + (t - lo)] = dot(qf.data() + r * d, k, d);
   }
   std::vector<float> total(rows);
-  softmax_rows(scores.data(), total.data(), rows, g, span, lo, first_hi, window);
-  for (int64_t t = lo; t < ctx; ++t) {
+  softmax_rows(scores.data(), total.data(), r0, rows, g, span, lo, first_hi, window);
+  for (int64_t t = lo; t < end; ++t) {
     const float* v = as_float_row(kv_row(t, 1), row.data(), d);
     for (int64_t r = 0; r < rows; ++r) axpy(acc.data() + r * d, scores[r * span + (t - lo)], v, d);
   }
-  for (int64_t j = 0; j < qlen; ++j)
-    for (int64_t k = 0; k < g; ++k) {
-      const int64_t r = j * g + k;
-      const float inv = 1.f / total[r];
-      T* dst = out + ((q0 + j) * s.heads + kvh * g + k) * d;
-      for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[r * d + i] * inv);
-    }
+  for (int64_t r = r0; r < r1; ++r) {
+    const float inv = 1.f / total[r - r0];
+    T* dst = out + ((q0 + r / g) * s.heads + kvh * g + r % g) * d;
+    for (int64_t i = 0; i < d; ++i) dst[i] = static_cast<T>(acc[(r - r0) * d + i] * inv);
+  }
 }
 
 #ifdef PDSERVE_AVX2
@@ -186,10 +198,10 @@ inline __m256 exp256_nonpositive(__m256 x) {
 }
 
 // softmax_rows, 8 keys at a time (gcc does not vectorise the portable loops well).
-inline void softmax_rows_avx2(float* scores, float* total, int64_t rows, int64_t g,
+inline void softmax_rows_avx2(float* scores, float* total, int64_t r0, int64_t rows, int64_t g,
                               int64_t span, int64_t lo, int64_t first_hi, int64_t window) {
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t hi = first_hi + r / g;
+    const int64_t hi = first_hi + (r0 + r) / g;
     const int64_t low = window > 0 ? std::max<int64_t>(0, hi - window + 1) : 0;
     float* sc = scores + r * span - lo;  // indexed by absolute key position
     const int64_t n = hi + 1 - low;
@@ -305,31 +317,28 @@ constexpr int64_t kPrefetchBlocks = 2;  // how far ahead of the block being comp
 // softmax per row, then V), block by block, prefetching kPrefetchBlocks ahead.
 template <int64_t D>
 void attend_pair_avx2(const float* q, float* out, const float* cache, const int64_t* table,
-                      int64_t q0, int64_t qlen, int64_t ctx, int64_t kvh, const Shape& s,
-                      float scale, int64_t window) {
-  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = qlen * g, bs = s.block_size;
-  const int64_t first_hi = ctx - qlen;
-  const int64_t lo = window > 0 ? std::max<int64_t>(0, first_hi - window + 1) : 0;
-  const int64_t span = ctx - lo;
+                      int64_t q0, int64_t qlen, int64_t ctx, int64_t kvh, int64_t r0, int64_t r1,
+                      const Shape& s, float scale, int64_t window) {
+  const int64_t d = D > 0 ? D : s.head_dim, g = s.group, rows = r1 - r0, bs = s.block_size;
+  const auto [first_hi, lo, end, span] = rows_keys(ctx, qlen, g, r0, r1, window);
   thread_local std::vector<float> scratch;  // reused across pairs and calls: no allocation
   scratch.resize(2 * rows * d + rows * span + rows);
   float* qf = scratch.data();
   float* acc = qf + rows * d;
   float* scores = acc + rows * d;
   float* total = scores + rows * span;
-  for (int64_t j = 0; j < qlen; ++j)
-    for (int64_t k = 0; k < g; ++k) {
-      const float* src = q + ((q0 + j) * s.heads + kvh * g + k) * d;
-      float* dst = qf + (j * g + k) * d;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* src = q + ((q0 + r / g) * s.heads + kvh * g + r % g) * d;
+    float* dst = qf + (r - r0) * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * scale;
-    }
+    for (int64_t i = 0; i < d; ++i) dst[i] = src[i] * scale;
+  }
   std::fill(acc, acc + rows * d, 0.f);
   const int64_t head_rows = bs * d;  // one head's slice of one block
   auto block = [&](int64_t b, int64_t which) {
     return cache + ((table[b] * 2 + which) * s.kv_heads + kvh) * head_rows;
   };
-  const int64_t b_lo = lo / bs, b_end = (ctx - 1) / bs + 1;
+  const int64_t b_lo = lo / bs, b_end = (end - 1) / bs + 1;
   auto prefetch_ahead = [&](int64_t from, int64_t which) {
     for (int64_t b = from; b < std::min(from + kPrefetchBlocks, b_end); ++b)
       prefetch(block(b, which), head_rows);
@@ -337,33 +346,31 @@ void attend_pair_avx2(const float* q, float* out, const float* cache, const int6
   prefetch_ahead(b_lo, 0);
   for (int64_t b = b_lo; b < b_end; ++b) {
     if (b + kPrefetchBlocks < b_end) prefetch(block(b + kPrefetchBlocks, 0), head_rows);
-    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(end, (b + 1) * bs);
     const float* k = block(b, 0) + (t0 - b * bs) * d;
     score_keys<D>(qf, rows, k, t1 - t0, d, scores + (t0 - lo), span);
   }
   prefetch_ahead(b_lo, 1);  // V's first blocks arrive during the softmax
-  softmax_rows_avx2(scores, total, rows, g, span, lo, first_hi, window);
+  softmax_rows_avx2(scores, total, r0, rows, g, span, lo, first_hi, window);
   for (int64_t b = b_lo; b < b_end; ++b) {
     if (b + kPrefetchBlocks < b_end) prefetch(block(b + kPrefetchBlocks, 1), head_rows);
-    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(ctx, (b + 1) * bs);
+    const int64_t t0 = std::max(lo, b * bs), t1 = std::min(end, (b + 1) * bs);
     const float* v = block(b, 1) + (t0 - b * bs) * d;
     for (int64_t r = 0; r < rows; ++r)
       accumulate_rows(acc + r * d, scores + r * span + (t0 - lo), v, t1 - t0, d);
   }
-  for (int64_t j = 0; j < qlen; ++j)
-    for (int64_t k = 0; k < g; ++k) {
-      const int64_t r = j * g + k;
-      const float inv = 1.f / total[r];
-      float* dst = out + ((q0 + j) * s.heads + kvh * g + k) * d;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float inv = 1.f / total[r - r0];
+    float* dst = out + ((q0 + r / g) * s.heads + kvh * g + r % g) * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) dst[i] = acc[r * d + i] * inv;
-    }
+    for (int64_t i = 0; i < d; ++i) dst[i] = acc[(r - r0) * d + i] * inv;
+  }
 }
 #endif  // PDSERVE_AVX2
 
 template <typename T>
 using PairFn = void (*)(const T*, T*, const T*, const int64_t*, int64_t, int64_t, int64_t,
-                        int64_t, const Shape&, float, int64_t);
+                        int64_t, int64_t, int64_t, const Shape&, float, int64_t);
 
 template <typename T>
 PairFn<T> pick_pair_fn(int64_t head_dim) {
@@ -388,11 +395,11 @@ PairFn<T> pick_pair_fn(int64_t head_dim) {
   }
 }
 
-// Runs fn(w) for every pair w in [0, n), handing each thread of torch's pool one contiguous
-// run of pairs of about equal total cost (`start[w]`: the cost of the pairs before w,
-// start[n] the total).
+// Runs fn(w) for every work unit w in [0, n), handing each thread of torch's pool one
+// contiguous run of units of about equal total cost (`start[w]`: the cost of the units
+// before w, start[n] the total).
 template <typename F>
-void for_pairs_balanced(const std::vector<int64_t>& start, const F& fn) {
+void for_units_balanced(const std::vector<int64_t>& start, const F& fn) {
   const int64_t n = static_cast<int64_t>(start.size()) - 1;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
   auto first_of = [&](int64_t part) {  // first pair whose cost starts at or after the cut
@@ -450,22 +457,50 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
     TORCH_CHECK((lens[b] + s.block_size - 1) / s.block_size <= s.max_blocks,
                 "block table too short for request ", b);
   }
-  // A pair's cost: its query rows times the keys they read, plus a fixed overhead.
-  std::vector<int64_t> start(n * s.kv_heads + 1, 0);
+  // Work units: rows of (request, KV head) pairs. A unit's cost: its rows times the keys
+  // they read, plus a fixed overhead. A pair of several query tokens (a prompt chunk, a
+  // speculative verification) whose cost is over a quarter of a thread's share is split into
+  // runs of rows: a prompt's later rows see ever more keys, which sit in cache for the next
+  // run, and one request's pairs are too few to share out (3 KV heads on two threads left one
+  // idle a third of the time). A decode pair stays whole: each run would read its keys from
+  // memory again (split in two they took 1.15x the time at 192 keys). Rows are computed
+  // independently, so a split never changes a result.
+  struct Unit {
+    int64_t pair, r0, r1;
+  };
+  auto unit_cost = [&](int64_t b, int64_t r0, int64_t r1) {
+    const int64_t qlen = qs[b + 1] - qs[b];
+    const Rows k = rows_keys(lens[b], qlen, s.group, r0, r1, window);
+    return (r1 - r0) * k.span + 64;
+  };
+  int64_t total = 0;
   for (int64_t w = 0; w < n * s.kv_heads; ++w) {
-    const int64_t b = seq[w / s.kv_heads], qlen = qs[b + 1] - qs[b];
-    const int64_t keys = window > 0 ? std::min<int64_t>(lens[b], window + qlen - 1) : lens[b];
-    start[w + 1] = start[w] + qlen * s.group * keys + 64;
+    const int64_t b = seq[w / s.kv_heads];
+    total += unit_cost(b, 0, (qs[b + 1] - qs[b]) * s.group);
+  }
+  const int64_t most = std::max<int64_t>(1, total / (4 * at::get_num_threads()));
+  std::vector<Unit> units;
+  std::vector<int64_t> start{0};
+  for (int64_t w = 0; w < n * s.kv_heads; ++w) {
+    const int64_t b = seq[w / s.kv_heads], rows = (qs[b + 1] - qs[b]) * s.group;
+    const int64_t runs =
+        rows > s.group ? std::clamp<int64_t>(unit_cost(b, 0, rows) / most, 1, rows) : 1;
+    for (int64_t i = 0; i < runs; ++i) {
+      const int64_t r0 = rows * i / runs, r1 = rows * (i + 1) / runs;
+      units.push_back(Unit{w, r0, r1});
+      start.push_back(start.back() + unit_cost(b, r0, r1));
+    }
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attn", [&] {
     const scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const scalar_t* cp = cache.data_ptr<scalar_t>();
     const PairFn<scalar_t> attend = pick_pair_fn<scalar_t>(s.head_dim);
-    for_pairs_balanced(start, [&](int64_t w) {
-      const int64_t b = seq[w / s.kv_heads], kvh = w % s.kv_heads;
-      attend(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b], lens[b], kvh, s,
-             static_cast<float>(scale), window);
+    for_units_balanced(start, [&](int64_t u) {
+      const Unit& t = units[u];
+      const int64_t b = seq[t.pair / s.kv_heads], kvh = t.pair % s.kv_heads;
+      attend(qp, op, cp, tables + b * s.max_blocks, qs[b], qs[b + 1] - qs[b], lens[b], kvh,
+             t.r0, t.r1, s, static_cast<float>(scale), window);
     });
   });
 }
