@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pdserve.engine.attention.cpu_backend import CpuPagedAttention
 from pdserve.engine.decode_step import EagerDecode
@@ -178,8 +177,7 @@ class FlatDecode(EagerDecode):
                                     meta.query_start_t, rows, layer.scale, layer.window)
             x, h = ops.add_rms_norm(x, layer.o(out.view(t, layer.heads * layer.head_dim)),
                                     layer.post_norm, layer.post_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            mlp = layer.down(F.silu(gate) * up)
+            mlp = layer.down(ops.silu_mul(layer.gate_up(h)))
             if i + 1 == len(layers):
                 x = x + mlp
             else:

@@ -1,11 +1,14 @@
-"""The C++ per-layer ops (`pdserve_layers::rms_norm`, `add_rms_norm`, `rotary`) against the
-torch expressions they replace: rotary bitwise (also from strided q/k views, as a fused qkv
-projection gives them), the norms within a few ulp; and the layers use them only where they
-apply (CPU, fp32)."""
+"""The C++ per-layer ops (`pdserve_layers::rms_norm`, `add_rms_norm`, `rotary`, `silu_mul`)
+against the torch expressions they replace: rotary bitwise (also from strided q/k views, as a
+fused qkv projection gives them), silu_mul bitwise where built for torch's own ISA (within
+rounding on the narrower builds), the norms within a few ulp; and the layers use them only
+where they apply (CPU, fp32)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
+import torch.nn.functional as F
 
 from pdserve.engine.layers.norm import RMSNorm
 from pdserve.engine.layers.rotary import rotate_half
@@ -34,12 +37,33 @@ def _check_layer_ops(ops) -> None:
         qo, ko = ops.rotary(q, k, cos, sin)
         assert torch.equal(qo, q * cos + rotate_half(q) * sin)
         assert torch.equal(ko, k * cos + rotate_half(k) * sin)
+    for t, i in SILU_SHAPES:
+        x, want = _silu_case(t, i)
+        torch.testing.assert_close(ops.silu_mul(x), want, rtol=2e-6, atol=1e-7)
+
+
+# The MLP's width, batches of 1 and more, widths with a tail past ATen's two-vector chunks.
+SILU_SHAPES = ((1, 1536), (3, 1536), (2, 37), (5, 48), (1, 17))
+
+
+def _silu_case(t: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(t, 2 * i, generator=torch.Generator().manual_seed(i)) * 6
+    x[0, :4] = torch.tensor([0.0, -100.0, 100.0, -0.0])
+    gate, up = x.chunk(2, dim=-1)
+    return x, F.silu(gate) * up
 
 
 def test_layer_ops_equal_the_torch_expressions():
     ops = cpu_kernels.load_layer_ops()
     assert ops is not None
     _check_layer_ops(ops)
+    # Built for the ISA torch dispatches to, silu_mul is the expression bitwise, so the
+    # modules' MLP and the C++ decode loop agree with the torch reference exactly.
+    for t, i in SILU_SHAPES:
+        x, want = _silu_case(t, i)
+        assert torch.equal(ops.silu_mul(x), want)
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        ops.silu_mul(torch.randn(2, 5))
 
 
 def test_norm_uses_the_op_in_fp32_and_the_reference_otherwise():

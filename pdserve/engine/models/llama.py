@@ -13,12 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.engine.attention.backend import AttentionBackend
 from pdserve.engine.attention.metadata import AttentionMetadata
 from pdserve.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from pdserve.engine.layers.fused import silu_mul
 from pdserve.engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -85,8 +85,7 @@ class MLP(nn.Module):
                                            cfg.mlp_bias, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

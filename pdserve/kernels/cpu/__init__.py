@@ -104,6 +104,7 @@ def _load_layer_ops(isa: str):
     torch.library.register_fake("pdserve_layers::rms_norm", _rms_norm_fake)
     torch.library.register_fake("pdserve_layers::add_rms_norm", _add_rms_norm_fake)
     torch.library.register_fake("pdserve_layers::rotary", _rotary_fake)
+    torch.library.register_fake("pdserve_layers::silu_mul", _silu_mul_fake)
     return torch.ops.pdserve_layers
 
 
@@ -132,6 +133,10 @@ def _add_rms_norm_fake(x, residual, weight, eps):
 
 def _rotary_fake(q, k, cos, sin):
     return q.new_empty(q.shape), k.new_empty(k.shape)
+
+
+def _silu_mul_fake(x):
+    return x.new_empty((x.shape[0], x.shape[1] // 2))
 
 
 def _register_fakes() -> None:

@@ -56,6 +56,7 @@ using NormFn = Tensor(const Tensor&, const Tensor&, double);
 using AddNormFn = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&, double);
 using RotaryFn = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const Tensor&,
                                             const Tensor&);
+using SiluMulFn = Tensor(const Tensor&);
 using WriteKvFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&);
 using AttentionFn = void(Tensor, const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                          const Tensor&, const Tensor&, double, int64_t);
@@ -74,6 +75,7 @@ class FlatDecoder : public torch::CustomClassHolder {
         rms_norm_(op<NormFn>("pdserve_layers::rms_norm")),
         add_rms_norm_(op<AddNormFn>("pdserve_layers::add_rms_norm")),
         rotary_(op<RotaryFn>("pdserve_layers::rotary")),
+        silu_mul_(op<SiluMulFn>("pdserve_layers::silu_mul")),
         write_kv_(op<WriteKvFn>("pdserve_cpu::write_kv")),
         attention_(op<AttentionFn>("pdserve_cpu::paged_attention")) {}
 
@@ -127,8 +129,7 @@ class FlatDecoder : public torch::CustomClassHolder {
                       l.window);
       auto [s, hn] = add_rms_norm_.call(x, apply(l.o, out.view({t, l.heads * l.head_dim})),
                                         l.post_norm, l.post_eps);
-      std::vector<Tensor> gate_up = apply(l.gate_up, hn).chunk(2, -1);
-      Tensor mlp = apply(l.down, at::mul(at::silu(gate_up[0]), gate_up[1]));
+      Tensor mlp = apply(l.down, silu_mul_.call(apply(l.gate_up, hn)));
       if (i + 1 == n) {
         x = at::add(s, mlp);
       } else {
@@ -161,6 +162,7 @@ class FlatDecoder : public torch::CustomClassHolder {
   c10::TypedOperatorHandle<NormFn> rms_norm_;
   c10::TypedOperatorHandle<AddNormFn> add_rms_norm_;
   c10::TypedOperatorHandle<RotaryFn> rotary_;
+  c10::TypedOperatorHandle<SiluMulFn> silu_mul_;
   c10::TypedOperatorHandle<WriteKvFn> write_kv_;
   c10::TypedOperatorHandle<AttentionFn> attention_;
   std::vector<Linear> linears_;

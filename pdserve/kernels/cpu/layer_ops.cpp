@@ -6,10 +6,29 @@
 //   add_rms_norm(x, r, w, eps)   (s, rms_norm(s)) with s = x + r         the residual and the norm
 //   rotary(q, k, cos, sin)       q * cos + rotate_half(q) * sin, the same for k
 //                                q [T, H, D], k [T, KVH, D] (rows may be strided), cos/sin [T, 1, D]
+//   silu_mul(x)                  silu(x[:, :I]) * x[:, I:]               x [T, 2I] (gate | up)
 //
 // rotary rounds exactly as the torch expression does (each product, then the sum: the library
 // builds with -ffp-contract=off), so it is bitwise the reference. The norms sum squares in
 // double, where torch sums floats in its own order: they agree to a few ulp, not bitwise.
+// silu_mul computes silu as ATen's CPU kernel does, through ATen's own vector type (its exp
+// is Sleef's, exported by libtorch_cpu), in the same chunks (two vectors, then a scalar tail
+// with std::exp), so it is F.silu(gate) * up bitwise on a build of the ISA torch dispatches
+// to (tests/kernels/test_layer_ops.py).
+
+// Before any ATen header: the vector type's implementation follows these, as in ATen's own
+// per-ISA builds of its kernels.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define CPU_CAPABILITY AVX512
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#else
+#define CPU_CAPABILITY DEFAULT
+#endif
+#include <ATen/cpu/vec/vec.h>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -112,16 +131,48 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
   return {qo, ko};
 }
 
+// The MLP's activation: at batch 1 the chunk, silu and mul were three torch calls and two
+// allocations a layer for 1536 values.
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % 2 == 0 && x.scalar_type() == at::kFloat,
+              "silu_mul: x [T, 2I] fp32 (gate, then up)");
+  const at::Tensor xc = x.contiguous();
+  const int64_t t = xc.size(0), half = xc.size(1) / 2;
+  at::Tensor y = at::empty({t, half}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  using Vec = at::vec::Vectorized<float>;
+  constexpr int64_t kStep = 2 * Vec::size();  // ATen's vectorised loop takes two at a time
+  const Vec one(1.f);
+  at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const float* g = xp + r * 2 * half;
+      const float* u = g + half;
+      float* o = yp + r * half;
+      int64_t i = 0;
+      for (; i + kStep <= half; i += kStep)
+        for (int64_t v = i; v < i + kStep; v += Vec::size()) {
+          const Vec gv = Vec::loadu(g + v);
+          ((gv / (one + gv.neg().exp())) * Vec::loadu(u + v)).store(o + v);
+        }
+      for (; i < half; ++i) o[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(pdserve_layers, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+  m.def("silu_mul(Tensor x) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_layers, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("silu_mul", &silu_mul);
 }
