@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pdserve.engine.checkpoint import Checkpoint
+from pdserve.engine.huge_pages import model_tensors, weights_to_huge_pages
 from pdserve.engine.model_config import ModelConfig
 from pdserve.engine.models import MODEL_CLASSES
 from pdserve.engine.parallel import SINGLE, ParallelContext
@@ -53,4 +54,6 @@ def load_model(checkpoint: Checkpoint, cfg: ModelConfig, dtype: torch.dtype,
                 method.finalize(module)
             except ValueError as e:
                 raise ValueError(f"{name}: {e}") from e
+    if torch.device(device).type == "cpu":  # a decode step streams them all (huge_pages.py)
+        weights_to_huge_pages(model_tensors(model))
     return model.eval()

@@ -90,3 +90,21 @@ def test_the_engine_prefaults_its_cache_when_asked(tiny_llama):
                   kv_cache_prefault=prefault)
         resident = [_resident_fraction(c) for c in llm.engine.kv_caches]
         assert resident == [1.0 if prefault else 0.0] * len(resident)
+
+
+def test_a_cpu_models_weights_share_one_huge_page_buffer(tiny_llama):
+    # Parameters, buffers and what the linear methods hold (the packed int4 copies, the LM
+    # head's int8 one) are moved after loading into one buffer, in one run of memory.
+    from pdserve.engine import LLM
+    from pdserve.engine.huge_pages import WEIGHT_ALIGN, model_tensors
+
+    llm = LLM(str(tiny_llama), dtype="float32", quantization="int4", lm_head_dtype="int8")
+    tensors = {t.data_ptr(): t for t in model_tensors(llm.engine.runner.model) if t.numel()}
+    methods = [m.method for m in llm.engine.runner.model.modules()
+               if getattr(m, "method", None) is not None]
+    assert any(m.state_tensors() for m in methods)  # the packed copies are among them
+    starts = sorted(tensors)
+    assert starts[0] % HUGE_PAGE == 0
+    span = sum(-(-t.nbytes // WEIGHT_ALIGN) * WEIGHT_ALIGN for t in tensors.values())
+    last = tensors[starts[-1]]
+    assert last.data_ptr() + last.nbytes - starts[0] <= span

@@ -86,6 +86,12 @@ class LinearMethod:
     def finalize(self, layer: nn.Module) -> None:
         """Called once after all weights are loaded (quantise, repack, ...)."""
 
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        """Tensors the method holds besides the layer's parameters (a packed copy of the
+        weight, its scales), after `finalize`: the loader moves them with the parameters
+        (`huge_pages.weights_to_huge_pages`)."""
+        return ()
+
 
 class LinearBase(nn.Module):
     quantizable = True

@@ -96,6 +96,9 @@ class Int4LinearMethod(LinearMethod):
         if self.from_dense and not self.keep_dense:
             release_dense(layer)
 
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.kernel.tensors() if self.kernel is not None else ()
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: torch.Tensor | None) -> torch.Tensor:
         lead = x.shape[:-1]

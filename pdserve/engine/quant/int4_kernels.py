@@ -63,8 +63,12 @@ class Int4Matmul(ABC):
         """The fp32 [N, K] matrix this kernel multiplies by (tests, debugging)."""
 
     @abstractmethod
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The packed weight, its scales and offsets: what this kernel stores."""
+
     def nbytes(self) -> int:
         """Bytes the packed weight, its scales and offsets take."""
+        return sum(t.numel() * t.element_size() for t in self.tensors())
 
     def native(self) -> NativeLinear | None:
         """`matmul` as data for the C++ decode loop (`layers/native.py`), or None."""
@@ -98,8 +102,8 @@ class CpuInt4(Int4Matmul):
         return NativeLinear(self.native_kind, (self.packed, self.scale, self.offset),
                             self.group_size)
 
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scale, self.offset)
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scale, self.offset
 
 
 class CpuRowwiseInt4(CpuInt4):
@@ -146,8 +150,8 @@ class CpuPackedInt4(Int4Matmul):
                                                         self.scales_zeros.float())
         return wt[:, :self.out_features].t().contiguous()
 
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scales_zeros)
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scales_zeros
 
 
 class TritonInt4(Int4Matmul):
@@ -169,8 +173,8 @@ class TritonInt4(Int4Matmul):
     def dequantize(self) -> torch.Tensor:
         return dequantize_packed(self.packed, self.scale, self.offset, self.group_size)
 
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scale, self.offset)
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scale, self.offset
 
 
 class ReferenceInt4(Int4Matmul):
@@ -189,8 +193,8 @@ class ReferenceInt4(Int4Matmul):
     def dequantize(self) -> torch.Tensor:
         return dequantize_packed(self.packed, self.scale, self.offset, self.group_size)
 
-    def nbytes(self) -> int:
-        return _bytes(self.packed, self.scale, self.offset)
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.packed, self.scale, self.offset
 
 
 def cpu_group_size(group_size: int) -> int | None:
@@ -240,7 +244,3 @@ def _quant_ops():
     from pdserve.kernels.cpu import load_layer_ops
 
     return load_layer_ops()
-
-
-def _bytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)

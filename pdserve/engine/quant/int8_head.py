@@ -72,6 +72,9 @@ class Int8HeadMethod(LinearMethod):
             layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device),
                                         requires_grad=False)
 
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t for t in (self.qweight, self.scale, self._dense) if t is not None)
+
     @property
     def on_kernel(self) -> bool:
         """True when the product runs pdserve's int8 kernel (not a dense fallback)."""
