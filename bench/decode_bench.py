@@ -18,8 +18,10 @@ machine's noise hits all alike; medians of the repeats, ratios within a repeat):
 - `python-layers`: `default` with the flat decode loop's layers run from Python
   (`FlatDecode(native=False)`), the baseline for the C++ loop (`kernels/cpu/flat_decoder.cpp`);
 - `mkl`: `default` with torch's oneDNN turned off (`torch.backends.mkldnn.enabled = False`
-  while it runs), so its prefill products go through MKL's sgemm on dequantised tiles, as
-  before oneDNN took them (kernels/cpu/int4_linear.cpp): `default`'s baseline in `vs_mkl`;
+  while it runs), so the products of prompts of 384+ tokens go through MKL's sgemm on
+  dequantised tiles, as before oneDNN took them (kernels/cpu/int4_linear.cpp): `default`'s
+  baseline in `vs_mkl`. Shorter prompts (batch 1's 128 tokens) run the panel kernel either
+  way, so there the two are the same computation;
 - `eager-mkl`: `eager` with oneDNN off, so every dense product is F.linear's (MKL), as before
   `kernels/onednn.py`: `eager`'s baseline in `vs_mkl`;
 - `hf`: transformers reading the same GGUF file (dequantised to fp32 like ours).

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.layers.fused import silu_mul
 from pdserve.engine.layers.linear import Loaded, Shard
 from pdserve.engine.parallel import SINGLE, ParallelContext
 from pdserve.engine.quant.int4_weight import Int4Weight
@@ -139,8 +140,7 @@ class FusedExperts(nn.Module):
 
     def expert_mlp(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         """One local expert's SwiGLU MLP over rows x [n, H]."""
-        gate, up = self.method.gate_up(self, expert, x).chunk(2, dim=-1)
-        return self.method.down(self, expert, F.silu(gate) * up)
+        return self.method.down(self, expert, silu_mul(self.method.gate_up(self, expert, x)))
 
 
 def run_grouped(layer: FusedExperts, x: torch.Tensor, weights: torch.Tensor,

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.engine.layers.fused import silu_mul
 from pdserve.engine.layers.linear import Loaded, MergedColumnParallelLinear, RowParallelLinear
 from pdserve.engine.layers.moe import FusedExperts
 from pdserve.engine.layers.router import select_experts
@@ -89,8 +90,7 @@ class SharedExpert(nn.Module):
         self.down_proj = _PartialRowParallelLinear(intermediate, hidden, False, dtype, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class SparseMoeBlock(nn.Module):

@@ -402,7 +402,7 @@ template <typename F>
 void for_units_balanced(const std::vector<int64_t>& start, const F& fn) {
   const int64_t n = static_cast<int64_t>(start.size()) - 1;
   const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
-  auto first_of = [&](int64_t part) {  // first pair whose cost starts at or after the cut
+  auto first_of = [&](int64_t part) {  // first unit whose cost starts at or after the cut
     const int64_t cut = start[n] * part / parts;
     return std::lower_bound(start.begin(), start.begin() + n, cut) - start.begin();
   };
@@ -473,18 +473,25 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
     const Rows k = rows_keys(lens[b], qlen, s.group, r0, r1, window);
     return (r1 - r0) * k.span + 64;
   };
+  const int64_t pairs = n * s.kv_heads;
+  std::vector<int64_t> pair_cost(pairs);
   int64_t total = 0;
-  for (int64_t w = 0; w < n * s.kv_heads; ++w) {
+  for (int64_t w = 0; w < pairs; ++w) {
     const int64_t b = seq[w / s.kv_heads];
-    total += unit_cost(b, 0, (qs[b + 1] - qs[b]) * s.group);
+    pair_cost[w] = unit_cost(b, 0, (qs[b + 1] - qs[b]) * s.group);
+    total += pair_cost[w];
   }
   const int64_t most = std::max<int64_t>(1, total / (4 * at::get_num_threads()));
   std::vector<Unit> units;
   std::vector<int64_t> start{0};
-  for (int64_t w = 0; w < n * s.kv_heads; ++w) {
+  for (int64_t w = 0; w < pairs; ++w) {
     const int64_t b = seq[w / s.kv_heads], rows = (qs[b + 1] - qs[b]) * s.group;
-    const int64_t runs =
-        rows > s.group ? std::clamp<int64_t>(unit_cost(b, 0, rows) / most, 1, rows) : 1;
+    const int64_t runs = rows > s.group ? std::clamp<int64_t>(pair_cost[w] / most, 1, rows) : 1;
+    if (runs == 1) {
+      units.push_back(Unit{w, 0, rows});
+      start.push_back(start.back() + pair_cost[w]);
+      continue;
+    }
     for (int64_t i = 0; i < runs; ++i) {
       const int64_t r0 = rows * i / runs, r1 = rows * (i + 1) / runs;
       units.push_back(Unit{w, r0, r1});
